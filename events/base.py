@@ -1,0 +1,179 @@
+"""The base of every durable shape, and the one canonical JSON encoding (ARCHITECTURE §10).
+
+``Durable`` structs are frozen and refuse unknown fields. Field annotations mark identifiers
+(:data:`Ident`) and timestamps (:data:`Millis`); ``__post_init__`` checks them on construction
+(write) and msgspec runs it again on decode (read). Free-form maps are frozen into
+:class:`~events.durable.FrozenMap`.
+"""
+
+from __future__ import annotations
+
+import typing
+from functools import cache
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from events.durable import (
+    DurableValueError,
+    FrozenMap,
+    check_ident,
+    check_text,
+    check_timestamp,
+    check_tree,
+    freeze,
+)
+
+
+class _Kind:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_IDENT = _Kind("ident")
+_MILLIS = _Kind("millis")
+
+Ident = Annotated[str, _IDENT]
+"""An identifier: non-empty, at most 1,024 UTF-16 units, no NUL, no lone surrogate."""
+Millis = Annotated[int, msgspec.Meta(ge=0, le=2**53 - 1), _MILLIS]
+"""A timestamp in milliseconds since the epoch: a non-negative safe integer."""
+
+
+def _kind_of(tp: Any) -> tuple[str, bool] | None:
+    """(kind, is_sequence) when ``tp`` is Ident/Millis, optional or a tuple of them."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        for meta in tp.__metadata__:
+            if isinstance(meta, _Kind):
+                return meta.name, False
+        return None
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            inner = _kind_of(args[0])
+            if inner:
+                return inner[0], True
+        return None
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            found = _kind_of(arg)
+            if found:
+                return found
+    return None
+
+
+@cache
+def _field_kinds(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for name in cls.__struct_fields__:  # type: ignore[attr-defined]
+        found = _kind_of(hints[name])
+        if found:
+            out.append((name, found[0], found[1]))
+    return tuple(out)
+
+
+@cache
+def _map_fields(cls: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for name in cls.__struct_fields__:  # type: ignore[attr-defined]
+        tp = hints[name]
+        if typing.get_origin(tp) is dict or tp is Any:
+            out.append(name)
+    return tuple(out)
+
+
+class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=False):
+    """A frozen durable shape. Subclasses set ``__durable_root__ = True`` to be tree-checked."""
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        for name, kind, is_seq in _field_kinds(cls):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            values = value if is_seq else (value,)
+            for i, item in enumerate(values):
+                path = f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else "")
+                if kind == "ident":
+                    if item == "" and not is_seq:
+                        continue  # "" is the spec's "none" for optional identifiers; checked where required
+                    check_ident(item, path)
+                else:
+                    check_timestamp(item, path)
+        for name in _map_fields(cls):
+            value = getattr(self, name)
+            if isinstance(value, dict) and not isinstance(value, FrozenMap) or isinstance(value, list):
+                msgspec.structs.force_setattr(self, name, freeze(value))
+        if getattr(cls, "__durable_root__", False):
+            check_tree(msgspec.to_builtins(self))
+
+
+_ENCODER = msgspec.json.Encoder(order="sorted")
+
+T = TypeVar("T", bound=Durable)
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical encoding: JSON, keys sorted, no whitespace. Refuses what the boundary refuses."""
+    check_tree(msgspec.to_builtins(value))
+    return _ENCODER.encode(value)
+
+
+@cache
+def _decoder(cls: type[T]) -> msgspec.json.Decoder[T]:
+    return msgspec.json.Decoder(cls)
+
+
+def decode(data: bytes, cls: type[T]) -> T:
+    """Decode and validate bytes read from the store or the stream.
+
+    Anything that fails (malformed JSON, unknown fields, a limit) raises
+    :class:`DurableValueError` with ``code == "decode_failed"``.
+    """
+    try:
+        value = _decoder(cls).decode(data)
+    except DurableValueError as exc:
+        raise exc.as_decode_failed() from None
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, DurableValueError):
+            raise cause.as_decode_failed() from None
+        raise DurableValueError("decode_failed", "schema", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        msg = str(exc)
+        if "truncated" in msg and b"\\u" in data:
+            msg = "malformed JSON text (a lone surrogate escape or truncated input)"
+        raise DurableValueError("decode_failed", "json", msg) from None
+    except RecursionError:
+        raise DurableValueError("decode_failed", "max_depth", "value nested too deeply") from None
+    return value
+
+
+def check_gen(gen: int, path: str) -> None:
+    """``gen`` is the per-write revision: a safe integer from 1."""
+    if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1 or gen > 2**53 - 1:
+        raise DurableValueError("invalid_value", "gen_positive", "gen must be a safe integer from 1", path)
+
+
+def validate_ident(text: str, what: str) -> str:
+    """Check a free-standing identifier (a host name, a box label)."""
+    check_ident(text, what)
+    return text
+
+
+__all__ = [
+    "Durable",
+    "DurableValueError",
+    "FrozenMap",
+    "Ident",
+    "Millis",
+    "canonical",
+    "check_gen",
+    "check_text",
+    "decode",
+    "validate_ident",
+]
