@@ -65,13 +65,14 @@ def _kind_of(tp: Any) -> tuple[str, bool] | None:
 
 
 @cache
-def _field_kinds(cls: type) -> tuple[tuple[str, str, bool], ...]:
+def _field_kinds(cls: type) -> tuple[tuple[str, str, bool, bool], ...]:
+    """(field, kind, is_sequence, may_be_empty): an identifier whose default is "" may be empty."""
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
-    for name in cls.__struct_fields__:  # type: ignore[attr-defined]
-        found = _kind_of(hints[name])
+    for f in msgspec.structs.fields(cls):
+        found = _kind_of(hints[f.name])
         if found:
-            out.append((name, found[0], found[1]))
+            out.append((f.name, found[0], found[1], f.default == ""))
     return tuple(out)
 
 
@@ -91,7 +92,7 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
 
     def __post_init__(self) -> None:
         cls = type(self)
-        for name, kind, is_seq in _field_kinds(cls):
+        for name, kind, is_seq, may_be_empty in _field_kinds(cls):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -99,8 +100,8 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
             for i, item in enumerate(values):
                 path = f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else "")
                 if kind == "ident":
-                    if item == "" and not is_seq:
-                        continue  # "" is the spec's "none" for optional identifiers; checked where required
+                    if item == "" and may_be_empty:
+                        continue  # "" is the spec's "none" for an optional identifier
                     check_ident(item, path)
                 else:
                     check_timestamp(item, path)

@@ -137,10 +137,12 @@ def check_tree(value: Any) -> None:
             if not math.isfinite(node):
                 _fail("finite_number", "non-finite number", path)
         elif isinstance(node, Mapping | list | tuple):
+            is_map = isinstance(node, Mapping)
             for key, child in _children(node):
-                if isinstance(node, Mapping):
-                    check_text(key, f"{path}.{key}")
-                stack.append((child, depth + 1, f"{path}.{key}" if isinstance(node, Mapping) else f"{path}[{key}]"))
+                child_path = f"{path}.{key}" if is_map else f"{path}[{key}]"
+                if is_map:
+                    check_text(key, child_path)
+                stack.append((child, depth + 1, child_path))
         else:
             _fail("plain_data", f"unsupported type {type(node).__name__}", path)
 

@@ -1,0 +1,19 @@
+"""The ledger: the only writer of claims and records (ARCHITECTURE §4)."""
+
+from services.ledger.ledger import (
+    Committed,
+    Conflict,
+    Crash,
+    Current,
+    Ledger,
+    LedgerDefect,
+    NoChange,
+    Refusal,
+    object_key,
+    validate_host,
+)
+
+__all__ = [
+    "Committed", "Conflict", "Crash", "Current", "Ledger", "LedgerDefect", "NoChange", "Refusal",
+    "object_key", "validate_host",
+]

@@ -1,0 +1,133 @@
+"""The FastStream app factory (ARCHITECTURE §5).
+
+FastStream's default JetStream ack policy terms a message on any exception (stack facts §3, pitfall
+14): it is never redelivered. Here every subscriber acknowledges manually:
+
+- success: ``ack``;
+- an exception before the last delivery: ``nak`` with a doubling backoff (:func:`on_failure`);
+- an exception on the last delivery: an alert on ``hm.alert.poison`` (durable, on the facts stream)
+  and only then ``ack``. If the alert cannot be published the message is nacked again: a message
+  never ends in a silent drop.
+
+An event is only a wake-up; handlers re-read the authority (ARCHITECTURE §5).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from nats.js.api import ConsumerConfig
+
+from bus.subjects import FACTS_STREAM, alert_subject
+
+log = logging.getLogger("hostmove.bus")
+
+Handler = Callable[[bytes, Mapping[str, str]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RedeliveryPolicy:
+    """Bounded redelivery: ``max_deliver`` attempts, waits doubling from ``first_backoff_s``."""
+
+    max_deliver: int = 5
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    ack_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Nack:
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class Alert:
+    reason: str
+
+
+def on_failure(delivered: int, policy: RedeliveryPolicy) -> Nack | Alert:
+    """What to do with a message whose handler raised on its ``delivered``-th delivery. Pure."""
+    if delivered >= policy.max_deliver:
+        return Alert(f"handler failed on all {policy.max_deliver} deliveries")
+    delay = min(policy.first_backoff_s * (2 ** max(delivered - 1, 0)), policy.max_backoff_s)
+    return Nack(delay)
+
+
+class PoisonAlert(msgspec.Struct, frozen=True):
+    """The alert a message becomes when its redelivery is exhausted."""
+
+    kind: str
+    service: str
+    durable: str
+    subject: str
+    stream_seq: int
+    deliveries: int
+    error: str
+    reason: str
+
+
+def _describe(exc: BaseException) -> str:
+    """The error's type and first line, bounded; never a payload or a secret."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+def make_broker(nats_url: str, *, name: str = "hostmove") -> NatsBroker:
+    return NatsBroker(nats_url, name=name, connect_timeout=5)
+
+
+def subscribe(
+    broker: NatsBroker,
+    *,
+    service: str,
+    subject: str,
+    stream: str,
+    durable: str,
+    handler: Handler,
+    policy: RedeliveryPolicy | None = None,
+) -> Any:
+    """Register ``handler`` on a durable pull consumer with manual acks and bounded redelivery."""
+    pol = policy or RedeliveryPolicy()
+
+    async def _deliver(body: bytes, msg: NatsMessage) -> None:
+        raw = msg.raw_message
+        md = raw.metadata
+        try:
+            await handler(body, dict(msg.headers or {}))
+        except Exception as exc:  # noqa: BLE001 - every failure is handled below, never terms
+            action = on_failure(md.num_delivered, pol)
+            log.warning("%s: handler failed on %s (delivery %d): %s", service, raw.subject, md.num_delivered,
+                        _describe(exc))
+            if isinstance(action, Nack):
+                await msg.nack(delay=action.delay_s)
+                return
+            alert = PoisonAlert(
+                kind="poison", service=service, durable=durable, subject=raw.subject,
+                stream_seq=md.sequence.stream, deliveries=md.num_delivered, error=_describe(exc),
+                reason=action.reason,
+            )
+            try:
+                await broker.publish(msgspec.json.encode(alert), alert_subject("poison"), stream=FACTS_STREAM)
+            except Exception as pub_exc:  # noqa: BLE001 - keep the message rather than drop it
+                log.error("%s: alert for %s not published (%s); keeping the message", service, raw.subject,
+                          _describe(pub_exc))
+                await msg.nack(delay=pol.max_backoff_s)
+                return
+            await msg.ack()
+            return
+        await msg.ack()
+
+    return broker.subscriber(
+        subject,
+        stream=JStream(name=stream, declare=False),
+        durable=durable,
+        pull_sub=PullSub(batch_size=1, timeout=1.0),
+        config=ConsumerConfig(ack_wait=pol.ack_wait_s, max_deliver=-1),
+        ack_policy=AckPolicy.MANUAL,
+    )(_deliver)

@@ -1,0 +1,89 @@
+"""Stream and subject layout (ARCHITECTURE §4).
+
+- ``HM_LEDGER``: ``hm.ledger.claim.<host>`` and ``hm.ledger.record.<host>``, one subject per
+  object, every transition in order and without gaps.
+- ``HM_FACTS``: ``hm.fact.<kind>.<host>`` (evidence, seals, park acknowledgements, the move log)
+  and ``hm.alert.<kind>`` (alerts, including poison messages that exhausted their redelivery).
+
+A host name becomes one safe, reversible subject token: ``[A-Za-z0-9-]`` stay as they are and
+every other UTF-8 byte (``.``, ``_``, ``*``, ``>``, spaces, non-ASCII) becomes ``_XX`` (hex).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+LEDGER_STREAM = "HM_LEDGER"
+FACTS_STREAM = "HM_FACTS"
+LEDGER_PREFIX = "hm.ledger"
+FACT_PREFIX = "hm.fact"
+ALERT_PREFIX = "hm.alert"
+LEDGER_SUBJECTS = [f"{LEDGER_PREFIX}.>"]
+FACTS_SUBJECTS = [f"{FACT_PREFIX}.>", f"{ALERT_PREFIX}.>"]
+
+MAX_TOKEN_BYTES = 1000
+_SAFE = re.compile(rb"[A-Za-z0-9-]")
+_TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
+
+
+class SubjectError(ValueError):
+    pass
+
+
+def encode_token(name: str) -> str:
+    """A safe, reversible NATS subject token for any non-empty name."""
+    if not name:
+        raise SubjectError("a subject token needs a non-empty name")
+    out = []
+    for byte in name.encode("utf-8", errors="strict"):
+        b = bytes([byte])
+        out.append(b.decode() if _SAFE.match(b) else f"_{byte:02X}")
+    token = "".join(out)
+    if len(token) > MAX_TOKEN_BYTES:
+        raise SubjectError(f"the name is too long for a subject token (over {MAX_TOKEN_BYTES} bytes encoded)")
+    return token
+
+
+def decode_token(token: str) -> str:
+    """The inverse of :func:`encode_token`. Refuses anything it would not have produced."""
+    if not _TOKEN.match(token):
+        raise SubjectError(f"not a subject token: {token!r}")
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "_":
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.append(ord(token[i]))
+            i += 1
+    return raw.decode("utf-8")
+
+
+def ledger_subject(obj: str, host: str) -> str:
+    if obj not in ("claim", "record"):
+        raise SubjectError(f"unknown object kind {obj!r}")
+    return f"{LEDGER_PREFIX}.{obj}.{encode_token(host)}"
+
+
+def parse_ledger_subject(subject: str) -> tuple[str, str]:
+    """``(object, host)`` of a ledger subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or ".".join(parts[:2]) != LEDGER_PREFIX or parts[2] not in ("claim", "record"):
+        raise SubjectError(f"not a ledger subject: {subject!r}")
+    return parts[2], decode_token(parts[3])
+
+
+def fact_subject(kind: str, host: str) -> str:
+    return f"{FACT_PREFIX}.{encode_token(kind)}.{encode_token(host)}"
+
+
+def alert_subject(kind: str) -> str:
+    return f"{ALERT_PREFIX}.{encode_token(kind)}"
+
+
+def ledger_msg_id(obj: str, host: str, gen: int) -> str:
+    """The ``Nats-Msg-Id`` of an object's gen: unique across the stream, bounded in length."""
+    digest = hashlib.sha256(host.encode("utf-8")).hexdigest()[:32]
+    return f"{obj}:{digest}:{gen}"

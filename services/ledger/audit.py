@@ -1,0 +1,142 @@
+"""``hostmove audit``: replay the ledger stream and check it against the authority (ARCHITECTURE §4).
+
+Reports, per object: gaps, out-of-order gens, events that fail the durable-value boundary, and a
+last state that differs from the object in S3 (byte for byte in the canonical encoding). A
+``rebase`` event is an explicit, declared loss of history: it is reported as a notice, and fails the
+audit only with ``strict``. The fold is pure (:class:`HistoryCheck`); :func:`run_audit` is the shell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bus.log import EventLog, StoredMessage
+from bus.subjects import LEDGER_STREAM, SubjectError, ledger_subject, parse_ledger_subject
+from events.base import canonical, decode
+from events.durable import DurableValueError
+from events.envelope import Transition
+from services.ledger.ledger import Ledger
+from services.objstore.port import StoreError
+
+Severity = Literal["error", "notice"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: Severity
+    object: str
+    host: str
+    what: str
+
+    def line(self) -> str:
+        return f"{self.severity.upper()} {self.object} {self.host}: {self.what}"
+
+
+@dataclass
+class _Track:
+    last_gen: int = 0
+    last_body: bytes | None = None
+    events: int = 0
+
+
+@dataclass
+class HistoryCheck:
+    """The pure fold of the stream: feed messages in stream order, then compare with the store."""
+
+    tracks: dict[tuple[str, str], _Track] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    messages: int = 0
+
+    def _add(self, severity: Severity, obj: str, host: str, what: str) -> None:
+        self.findings.append(Finding(severity, obj, host, what))
+
+    def feed(self, msg: StoredMessage) -> None:
+        self.messages += 1
+        try:
+            obj, host = parse_ledger_subject(msg.subject)
+        except (SubjectError, UnicodeDecodeError):
+            self._add("error", "?", msg.subject, f"seq {msg.seq}: not a ledger subject")
+            return
+        track = self.tracks.setdefault((obj, host), _Track())
+        try:
+            event = decode(msg.data, Transition)
+        except DurableValueError as exc:
+            self._add("error", obj, host, f"seq {msg.seq}: event fails the durable-value boundary ({exc})")
+            return
+        if event.object != obj or event.host != host:
+            self._add("error", obj, host, f"seq {msg.seq}: event names another object")
+            return
+        gen = event.gen
+        if event.kind == "rebase":
+            if gen < track.last_gen:
+                self._add(
+                    "error", obj, host, f"seq {msg.seq}: rebase to gen {gen} after gen {track.last_gen}"
+                )
+            else:
+                self._add(
+                    "notice",
+                    obj,
+                    host,
+                    f"seq {msg.seq}: history rebased at gen {gen} (the stream had gen {track.last_gen})",
+                )
+        elif gen <= track.last_gen:
+            self._add("error", obj, host, f"seq {msg.seq}: out-of-order gen {gen} after gen {track.last_gen}")
+            return
+        elif gen != track.last_gen + 1:
+            self._add("error", obj, host, f"seq {msg.seq}: gap, gen {gen} follows gen {track.last_gen}")
+        track.last_gen = gen
+        track.last_body = canonical(event.state)
+        track.events += 1
+
+    def compare(self, obj: str, host: str, store_body: bytes | None, store_gen: int | None) -> None:
+        """Compare the fold's last state with the object the store holds (None: missing)."""
+        track = self.tracks.get((obj, host))
+        if track is None or track.last_body is None:
+            if store_body is not None:
+                self._add("error", obj, host, f"no history on the stream for gen {store_gen}")
+            return
+        if store_body is None:
+            self._add("error", obj, host, "the stream has history but the store has no object")
+        elif store_body != track.last_body:
+            self._add(
+                "error",
+                obj,
+                host,
+                f"last state differs from the object in S3 "
+                f"(stream gen {track.last_gen}, store gen {store_gen})",
+            )
+
+    def clean(self, strict: bool = False) -> bool:
+        return not any(f.severity == "error" or strict for f in self.findings)
+
+
+async def run_audit(events: EventLog, ledger: Ledger, *, host: str | None = None) -> HistoryCheck:
+    """Replay the stream (all of it, or one host's two subjects) and compare with S3."""
+    check = HistoryCheck()
+    subjects = [ledger_subject("claim", host), ledger_subject("record", host)] if host else [None]
+    for subject in subjects:
+        async for msg in events.replay(LEDGER_STREAM, subject=subject):
+            check.feed(msg)
+    objects: set[tuple[str, str]] = set(check.tracks)
+    if host is not None:
+        objects |= {("claim", host), ("record", host)}
+    else:
+        from urllib.parse import unquote
+
+        for obj, prefix in (("claim", "control/hosts/"), ("record", "control/records/")):
+            for key in await ledger.store.list_keys(ledger.bucket, prefix):
+                if key.endswith(".json") and "/" not in key[len(prefix) :]:
+                    objects.add((obj, unquote(key[len(prefix) : -len(".json")])))
+    for obj, name in sorted(objects):
+        try:
+            cur = await ledger.read(obj, name)  # type: ignore[arg-type]
+        except DurableValueError as exc:
+            check.findings.append(Finding("error", obj, name, f"the object in S3 fails the boundary: {exc}"))
+            continue
+        except StoreError as exc:
+            check.findings.append(Finding("error", obj, name, f"the object could not be read: {exc}"))
+            continue
+        body = cur.body if cur.state is not None else None
+        check.compare(obj, name, body, cur.state.gen if cur.state is not None else None)
+    return check

@@ -1,0 +1,386 @@
+"""The ledger: the only code that writes claims and records (ARCHITECTURE §4).
+
+``transition`` reads the object fresh, calls a pure ``decide``, CASes the result with the ETag it
+read and publishes the event. Each object's history on the stream is complete, in order and
+without gaps, also across a crash between the CAS and the publish:
+
+- **publish before supersede**: before a writer supersedes gen N, gen N's event must be on the
+  stream; if it is not, the writer publishes it first (the relay step);
+- every event has a deterministic ``Nats-Msg-Id`` and is published with
+  ``Nats-Expected-Last-Subject-Sequence`` = the sequence of the previous gen;
+- a 10071 after a retry is resolved by reading the subject's last message (stack facts §3);
+- when the stream has lost history (it ends before gen N - 1), a ``rebase`` event restates the full
+  state.
+
+The event a relay republishes is exactly the one the writer would have published: the writer stores
+the envelope's metadata (name, actor, time, causation) beside the object as S3 user metadata, with
+the sha256 of the body. An object whose body does not match that digest was edited outside the
+ledger and fails as ``decode_failed``: it is never handed back as state (run-store "Durable values").
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import msgspec
+
+from bus.log import EventLog, LogError, StoredMessage, WrongLastSequence
+from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
+from events.base import canonical, decode, validate_ident
+from events.claim import Claim
+from events.durable import DurableValueError
+from events.envelope import MAX_CAUSATION_CHARS, MAX_NAME_CHARS, Actor, EventMeta, ObjectKind, Transition
+from events.record import Record
+from hostmove.ports import Clock
+from services.objstore.port import Got, Lost, ObjectStore
+
+log = logging.getLogger("hostmove.ledger")
+
+S = TypeVar("S", Claim, Record)
+
+META_EVENT = "hm-event"
+META_SHA = "hm-body-sha256"
+GEN_HEADER = "Hm-Gen"
+KIND_HEADER = "Hm-Kind"
+
+_CLASSES: dict[str, type[Claim] | type[Record]] = {"claim": Claim, "record": Record}
+_PREFIXES = {"claim": "control/hosts/", "record": "control/records/"}
+
+
+class LedgerDefect(Exception):
+    """The authority and the log disagree in a way no writer may paper over. Never act on it (C6)."""
+
+
+class Crash(Exception):
+    """Raised by a fault hook to simulate the process dying at that point."""
+
+
+# -- outcomes: races are values -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NoChange:
+    """The decider found nothing to do."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The decider refused, in the operator's words (spec §20)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Committed(Generic[S]):
+    state: S
+    etag: str | None
+    version_id: str | None
+    seq: int | None  # None: the CAS won but the event is not yet on the stream (the relay will do it)
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The CAS lost to another writer after every attempt."""
+
+    current_etag: str | None
+
+
+@dataclass(frozen=True)
+class Current(Generic[S]):
+    """A fresh, validated read of one object."""
+
+    state: S | None
+    etag: str | None
+    version_id: str | None
+    meta: EventMeta | None
+    body: bytes | None = None  # the exact bytes read (canonical encoding)
+
+
+Decision = S | NoChange | Refusal
+Outcome = Committed[S] | NoChange | Refusal | Conflict
+
+
+def object_key(obj: ObjectKind, host: str) -> str:
+    """``control/hosts/<host>.json`` or ``control/records/<host>.json``; odd characters are
+    percent-encoded so the key is one path segment and the mapping is reversible."""
+    validate_host(host)
+    return f"{_PREFIXES[obj]}{quote(host, safe='.-_~@+')}.json"
+
+
+def validate_host(host: str) -> str:
+    """A host name: an identifier (durable text, at most 1,024 UTF-16 units)."""
+    return validate_ident(host, "host")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text.encode("ascii"))
+
+
+def event_gen(msg: StoredMessage) -> int:
+    """The gen an event on a ledger subject carries (header first, body as a fallback)."""
+    raw = msg.headers.get(GEN_HEADER)
+    if raw is not None and raw.isdigit():
+        return int(raw)
+    return decode(msg.data, Transition).gen
+
+
+class Ledger:
+    """Read, decide, CAS and publish claims and records. One instance per process."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        events: EventLog,
+        clock: Clock,
+        actor: Actor,
+        bucket: str,
+        faults: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.events = events
+        self.clock = clock
+        self.actor = actor
+        self.bucket = bucket
+        self.faults = faults
+        # subject -> (gen, seq) of the newest event this process saw on the stream. A hint only:
+        # every publish is conditional on it, so a stale hint costs a retry, never a gap.
+        self._published: dict[str, tuple[int, int]] = {}
+
+    def _fault(self, point: str) -> None:
+        if self.faults is not None:
+            self.faults(point)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    async def read(self, obj: ObjectKind, host: str) -> Current[Claim] | Current[Record]:
+        """A fresh read. Raises ``DurableValueError(decode_failed)`` for a corrupt or out-of-band
+        object and ``StoreError`` for a failed read: neither is ever a reason to act (C6)."""
+        got = await self.store.get(self.bucket, object_key(obj, host))
+        if not isinstance(got, Got):
+            return Current(None, None, None, None)
+        return Current(self._validate(obj, host, got), got.etag, got.version_id, self._meta(got), got.body)
+
+    async def read_claim(self, host: str) -> Current[Claim]:
+        return await self.read("claim", host)  # type: ignore[return-value]
+
+    async def read_record(self, host: str) -> Current[Record]:
+        return await self.read("record", host)  # type: ignore[return-value]
+
+    def _validate(self, obj: ObjectKind, host: str, got: Got) -> Claim | Record:
+        digest = got.metadata.get(META_SHA)
+        if digest != hashlib.sha256(got.body).hexdigest():
+            raise DurableValueError(
+                "decode_failed", "ledger_written", f"the {obj} of {host} was changed outside the ledger"
+            )
+        state = decode(got.body, _CLASSES[obj])
+        if state.host != host:
+            raise DurableValueError("decode_failed", "host_matches_key", f"the {obj} names another host")
+        return state
+
+    @staticmethod
+    def _meta(got: Got) -> EventMeta | None:
+        raw = got.metadata.get(META_EVENT)
+        if raw is None:
+            return None
+        try:
+            return decode(_unb64(raw), EventMeta)
+        except (ValueError, DurableValueError):
+            raise DurableValueError(
+                "decode_failed", "event_metadata", "the object's event metadata is corrupt"
+            ) from None
+
+    # -- the write path ---------------------------------------------------------------------------
+
+    async def transition(
+        self,
+        obj: ObjectKind,
+        host: str,
+        name: str,
+        decide: Callable[[S | None], Decision[S]],
+        *,
+        causation: str = "",
+        attempts: int = 3,
+    ) -> Outcome[S]:
+        """Fresh read, pure decide, CAS, publish. A lost CAS re-reads and re-decides up to
+        ``attempts`` times, then answers :class:`Conflict`."""
+        validate_host(host)
+        meta_name = validate_ident(name, "transition name")
+        if len(meta_name) > MAX_NAME_CHARS or len(causation) > MAX_CAUSATION_CHARS:
+            raise DurableValueError("invalid_value", "envelope_size", "transition name or causation too long")
+        cls = _CLASSES[obj]
+        lost: Conflict = Conflict(None)
+        for _ in range(max(attempts, 1)):
+            cur = await self.read(obj, host)
+            prev_seq = await self.ensure_published(obj, host, cur)
+            decision = decide(cur.state)  # type: ignore[arg-type]
+            if isinstance(decision, NoChange | Refusal):
+                return decision
+            if not isinstance(decision, cls):
+                raise TypeError(f"decide returned {type(decision).__name__}, not {cls.__name__}")
+            gen = (cur.state.gen if cur.state is not None else 0) + 1
+            new = msgspec.structs.replace(decision, gen=gen, host=host)
+            body = canonical(new)
+            decode(body, cls)  # what is written passes exactly the check it will meet on read
+            meta = EventMeta(name=meta_name, actor=self.actor, at=self.clock.now_ms(), causation=causation)
+            metadata = {META_EVENT: _b64(canonical(meta)), META_SHA: hashlib.sha256(body).hexdigest()}
+            put = await self.store.put(
+                self.bucket,
+                object_key(obj, host),
+                body,
+                if_match=cur.etag,
+                if_none_match=cur.etag is None,
+                metadata=metadata,
+            )
+            if isinstance(put, Lost):
+                lost = Conflict(put.current_etag)
+                continue
+            self._fault("after_cas")
+            seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
+            self._fault("after_publish")
+            return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
+        return lost
+
+    async def _publish_after_cas(
+        self, obj: ObjectKind, host: str, state: Claim | Record, meta: EventMeta, prev_seq: int
+    ) -> int | None:
+        try:
+            return await self._publish(obj, host, state, meta, "transition", prev_seq)
+        except (LogError, LedgerDefect) as exc:
+            # The CAS stands. The next writer or the relay publishes this gen (publish before supersede).
+            log.warning("event for %s %s gen %d not published yet: %s", obj, host, state.gen, exc)
+            return None
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    async def ensure_published(
+        self, obj: ObjectKind, host: str, cur: Current[Claim] | Current[Record]
+    ) -> int:
+        """Make sure the event of the object's current gen is on the stream; answer its sequence
+        (0 for an object that does not exist yet). This is the relay step and the rebase."""
+        subject = ledger_subject(obj, host)
+        state = cur.state
+        hint = self._published.get(subject)
+        if state is not None and hint is not None and hint[0] == state.gen:
+            return hint[1]
+        last = await self.events.last(LEDGER_STREAM, subject)
+        last_gen = event_gen(last) if last is not None else 0
+        if state is None:
+            if last is not None:
+                raise LedgerDefect(
+                    f"the stream holds {obj} history for {host} (gen {last_gen}) but the store has no object"
+                )
+            return 0
+        if last is not None and last_gen == state.gen:
+            self._published[subject] = (last_gen, last.seq)
+            return last.seq
+        if last_gen > state.gen:
+            raise LedgerDefect(
+                f"the stream is ahead of the store for the {obj} of {host}: {last_gen} > {state.gen}"
+            )
+        if cur.meta is not None and last_gen == state.gen - 1:
+            seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
+            log.info("relayed %s %s gen %d", obj, host, state.gen)
+            return seq
+        # The stream lost history (or the writer's metadata is gone): restate the full state.
+        meta = EventMeta(
+            name="rebase",
+            actor=self.actor,
+            at=self.clock.now_ms(),
+            causation=f"stream ends at gen {last_gen}, store at gen {state.gen}",
+        )
+        seq = await self._publish(obj, host, state, meta, "rebase", last.seq if last else 0)
+        log.warning("rebased %s %s at gen %d (stream ended at gen %d)", obj, host, state.gen, last_gen)
+        return seq
+
+    async def _publish(
+        self,
+        obj: ObjectKind,
+        host: str,
+        state: Claim | Record,
+        meta: EventMeta,
+        kind: Literal["transition", "rebase"],
+        expected_seq: int,
+    ) -> int:
+        subject = ledger_subject(obj, host)
+        event = Transition(
+            kind=kind,
+            object=obj,
+            host=host,
+            gen=state.gen,
+            meta=meta,
+            claim=state if obj == "claim" else None,  # type: ignore[arg-type]
+            record=state if obj == "record" else None,  # type: ignore[arg-type]
+        )
+        data = canonical(event)
+        msg_id = ledger_msg_id(obj, host, state.gen) + (":rebase" if kind == "rebase" else "")
+        headers = {GEN_HEADER: str(state.gen), KIND_HEADER: kind}
+        self._published.pop(subject, None)  # restored only once the stream confirms
+        for attempt in range(3):
+            try:
+                ack = await self.events.publish(
+                    LEDGER_STREAM, subject, data, msg_id=msg_id, expected_last_subject_seq=expected_seq,
+                    headers=headers,
+                )
+                self._published[subject] = (state.gen, ack.seq)
+                return ack.seq
+            except WrongLastSequence:
+                last = await self.events.last(LEDGER_STREAM, subject)
+                if last is None:
+                    raise LedgerDefect(
+                        f"the {obj} subject of {host} is empty after a sequence conflict"
+                    ) from None
+                last_gen = event_gen(last)
+                if last.msg_id == msg_id or last_gen >= state.gen:
+                    # Ours landed (a retry after a lost ack), or a relay already published it and
+                    # more: contiguity means gen state.gen is on the stream.
+                    self._published[subject] = (last_gen, last.seq)
+                    return last.seq
+                if last_gen == state.gen - 1:
+                    expected_seq = last.seq  # our hint was stale; retry on the real predecessor
+                    continue
+                raise LedgerDefect(
+                    f"the {obj} stream of {host} ends at gen {last_gen}; cannot append gen {state.gen}"
+                ) from None
+            except LogError:
+                if attempt == 2:
+                    raise
+                continue  # unknown outcome: the conditional retry tells us (10071 if it landed)
+        raise LogError("publish did not settle")
+
+    # -- the relay --------------------------------------------------------------------------------
+
+    async def relay(self, obj: ObjectKind, host: str) -> int:
+        """Publish the object's current gen if the stream lacks it (ARCHITECTURE §4)."""
+        return await self.ensure_published(obj, host, await self.read(obj, host))
+
+    async def relay_all(self) -> list[str]:
+        """Relay every claim and record in the bucket. Answers the objects it could not settle."""
+        from urllib.parse import unquote
+
+        failed: list[str] = []
+        obj: ObjectKind
+        for obj in ("claim", "record"):
+            prefix = _PREFIXES[obj]
+            for key in await self.store.list_keys(self.bucket, prefix):
+                if not key.endswith(".json") or "/" in key[len(prefix) :]:
+                    continue
+                host = unquote(key[len(prefix) : -len(".json")])
+                try:
+                    self._published.pop(ledger_subject(obj, host), None)
+                    await self.relay(obj, host)
+                except (LedgerDefect, DurableValueError, LogError) as exc:
+                    log.error("relay of %s %s failed: %s", obj, host, exc)
+                    failed.append(f"{obj}:{host}: {exc}")
+        return failed
