@@ -1,0 +1,127 @@
+"""``hostmove``: the operator's command line.
+
+    hostmove stack up|down|status      the embedded stack (NATS JetStream + SeaweedFS) under .hostmove/
+    hostmove serve <service>           run a service (relay, projections)
+    hostmove audit [--host H]          replay the ledger stream and check it against S3
+    hostmove probe                     run the object-store conformance probe
+    hostmove demo                      the main job on the embedded default
+
+Exit codes: 0 done, 1 a finding or refusal, 2 bad usage or configuration, 3 the store failed the
+conformance probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runtime
+
+SERVICES = ("relay", "projections")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format='{"t":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":%(message)r}',
+        stream=sys.stderr,
+    )
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from hostmove.stack import StackError, stack_down, stack_status, stack_up
+
+    root = Path(args.root)
+    try:
+        if args.action == "up":
+            info = stack_up(root)
+            print(f"stack up: NATS {info.nats_url}, S3 {info.s3_endpoint} (endpoints in {root / 'stack.json'})")
+        elif args.action == "down":
+            stopped = stack_down(root)
+            print("stack stopped" if stopped else "no stack was running")
+        else:
+            status = stack_status(root)
+            print(json.dumps(status, indent=2, default=str))
+            return 0 if status.get("healthy") else 1
+    except StackError as exc:
+        print(f"stack {args.action} failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _audit(args: argparse.Namespace) -> int:
+    from services.ledger.audit import run_audit
+
+    rt = await open_runtime(load_settings(Path(args.root)), "audit", probe=False)
+    try:
+        check = await run_audit(rt.events, rt.ledger, host=args.host)
+    finally:
+        await rt.close()
+    for finding in check.findings:
+        print(finding.line())
+    clean = check.clean(strict=args.strict)
+    scope = f"host {args.host}" if args.host else "every host"
+    print(f"audit of {scope}: {check.messages} events, {len(check.tracks)} objects, "
+          f"{sum(f.severity == 'error' for f in check.findings)} errors: {'clean' if clean else 'NOT clean'}")
+    return 0 if clean else 1
+
+
+async def _probe(args: argparse.Namespace) -> int:
+    rt = await open_runtime(load_settings(Path(args.root)), "probe", probe=True)
+    await rt.close()
+    print("object store conformance probe passed")
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from hostmove import serve
+
+    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port)
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from hostmove import demo
+
+    return await demo.run(Path(args.root))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hostmove", description="Move a running app instance between regions.")
+    p.add_argument("--root", default=str(DEFAULT_ROOT), help="the embedded stack's directory (default .hostmove)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stack", help="start, stop or inspect the embedded stack")
+    st.add_argument("action", choices=("up", "down", "status"))
+    au = sub.add_parser("audit", help="replay the ledger stream and check it against S3")
+    au.add_argument("--host")
+    au.add_argument("--strict", action="store_true", help="fail on rebase notices too")
+    sv = sub.add_parser("serve", help="run a service")
+    sv.add_argument("service", choices=SERVICES)
+    sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")
+    sub.add_parser("probe", help="run the object-store conformance probe")
+    sub.add_parser("demo", help="bring the stack up and show the system working")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        if args.command == "stack":
+            return cmd_stack(args)
+        runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo}[args.command]
+        return asyncio.run(runner(args))
+    except ConfigError as exc:
+        print(f"hostmove: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
