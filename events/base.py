@@ -119,8 +119,12 @@ T = TypeVar("T", bound=Durable)
 
 
 def canonical(value: Any) -> bytes:
-    """The canonical encoding: JSON, keys sorted, no whitespace. Refuses what the boundary refuses."""
-    check_tree(msgspec.to_builtins(value))
+    """The canonical encoding: JSON, keys sorted, no whitespace. Refuses what the boundary refuses.
+
+    A durable root was checked when it was built and is frozen, so it is not walked again.
+    """
+    if not getattr(type(value), "__durable_root__", False):
+        check_tree(msgspec.to_builtins(value))
     return _ENCODER.encode(value)
 
 

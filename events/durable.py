@@ -16,6 +16,7 @@ that fail on read raise it with ``code == "decode_failed"`` and are never handed
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, NoReturn
 
@@ -68,20 +69,22 @@ class FrozenMap(dict[str, Any]):
 
 def utf16_units(text: str) -> int:
     """Length of ``text`` in UTF-16 code units (an astral character counts two)."""
-    return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
+    return len(text.encode("utf-16-le", errors="surrogatepass")) // 2
 
 
 def _fail(limit: str, reason: str, path: str) -> NoReturn:
     raise DurableValueError("invalid_value", limit, reason, path)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def check_text(text: str, path: str = "$") -> None:
     """Well-formed durable text: no NUL, no lone surrogate."""
     if "\x00" in text:
         _fail("no_nul", "text contains an embedded NUL", path)
-    for ch in text:
-        if 0xD800 <= ord(ch) <= 0xDFFF:
-            _fail("no_lone_surrogate", "text contains a lone UTF-16 surrogate", path)
+    if _SURROGATE.search(text):
+        _fail("no_lone_surrogate", "text contains a lone UTF-16 surrogate", path)
 
 
 def check_ident(text: str, path: str = "$") -> None:

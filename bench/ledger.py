@@ -1,0 +1,85 @@
+"""Ledger transitions per second against raw conditional PUTs per second on the same store.
+
+Both run sequentially in the same process against the same SeaweedFS, in the same run, on objects of
+the same size: the raw loop chains ``PUT If-Match`` on the ETag of its previous PUT; the ledger loop
+runs full transitions (fresh GET, pure decide, PUT If-Match, conditional JetStream publish). The
+ratio raw/ledger must be at most 2.0: one extra round trip at most (issue 2, bench a).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import msgspec
+
+from bench.common import private_stack, result
+from bus.nats_log import NatsEventLog
+from events import Actor, Claim, Op
+from events.base import canonical
+from hostmove.ports import WallClock
+from services.ledger import Committed, Ledger
+from services.objstore.port import Won
+from services.objstore.s3 import S3Store
+
+TARGET = 2.0
+N = 400
+WARMUP = 30
+
+
+async def measure() -> float:
+    with private_stack() as info:
+        store = await S3Store.open(info.s3_endpoint, info.s3_access_key, info.s3_secret_key, info.s3_region)
+        events = await NatsEventLog.connect(info.nats_url)
+        try:
+            bucket = "bench-ledger"
+            await store.create_bucket(bucket)
+            ledger = Ledger(store, events, WallClock(), Actor(service="bench", pid=1, nonce="b"), bucket)
+
+            def decide(cur: Claim | None, i: int = 0) -> Claim:
+                base = cur or Claim(host="bench.example.com", gen=1)
+                return msgspec.structs.replace(base, op=Op(kind="serving", phase=f"p{i}", exec="box"))
+
+            body = canonical(decide(None))
+
+            async def raw(n: int, key: str) -> float:
+                won = await store.put(bucket, key, body)
+                assert isinstance(won, Won) and won.etag
+                etag = won.etag
+                t0 = time.perf_counter()
+                for i in range(n):
+                    nxt = await store.put(bucket, key, body.replace(b'"p0"', f'"p{i}"'.encode()), if_match=etag)
+                    assert isinstance(nxt, Won) and nxt.etag
+                    etag = nxt.etag
+                return n / (time.perf_counter() - t0)
+
+            async def transitions(n: int, host: str) -> float:
+                t0 = time.perf_counter()
+                for i in range(n):
+                    out = await ledger.transition("claim", host, "bench", lambda c, i=i: decide(c, i))
+                    assert isinstance(out, Committed) and out.seq is not None
+                return n / (time.perf_counter() - t0)
+
+            await raw(WARMUP, "warm/raw")
+            await transitions(WARMUP, "warm.example.com")
+            raw_rates, ledger_rates = [], []
+            for r in range(3):  # interleave so drift in machine load hits both
+                raw_rates.append(await raw(N, f"raw/{r}"))
+                ledger_rates.append(await transitions(N, f"bench{r}.example.com"))
+            raw_rate, ledger_rate = max(raw_rates), max(ledger_rates)
+            print(f"raw conditional PUT: {raw_rate:.0f}/s  ledger transition: {ledger_rate:.0f}/s  (best of 3)")
+            return raw_rate / ledger_rate
+        finally:
+            await events.close()
+            await store.close()
+
+
+def main() -> int:
+    ratio = asyncio.run(measure())
+    print(result("ledger", ratio, TARGET))
+    return 0 if ratio <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
