@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint sim-baseline sim-sweep clean stack-down
+.PHONY: demo test bench lint clean stack-down
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -U pip 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/pip install -q -e '.[test]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/python -c 'import hostmove.cli, faststream, aioboto3, msgspec, pytest'
 	touch $(STAMP)
 
 demo: $(STAMP)

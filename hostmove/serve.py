@@ -1,0 +1,80 @@
+"""``hostmove serve <service>``: run one service until SIGTERM or Ctrl-C (ARCHITECTURE §2).
+
+Every service starts by running the object-store conformance probe (exit 3 on a failing store).
+
+- ``relay``: republishes any claim or record whose latest gen is not on the stream (ARCHITECTURE §4),
+  on a timer from the Clock port. Objects it cannot settle are logged as errors every pass.
+- ``projections``: the projector (snapshot and change feed in SQLite) and its HTTP read API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from hostmove.runtime import Runtime, Settings, open_runtime
+
+log = logging.getLogger("hostmove.serve")
+
+RELAY_INTERVAL_S = 5.0
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _relay(rt: Runtime, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        failed = await rt.ledger.relay_all()
+        for line in failed:
+            log.error("relay could not settle %s", line)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), RELAY_INTERVAL_S)
+
+
+async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
+    from aiohttp import web
+
+    from projections.api import make_app
+    from projections.runner import Projector
+    from projections.store import ProjectionStore
+
+    store = ProjectionStore.open(rt.settings.root / "projections", rng=rt.rng, clock=rt.clock)
+    projector = Projector(store, rt.events, clock=rt.clock)
+    runner = web.AppRunner(make_app(store))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port or 8080)
+    await site.start()
+    print(f"projections: read API on http://127.0.0.1:{port or 8080}/ (OpenAPI at /openapi.json)", flush=True)
+    task = asyncio.create_task(projector.run())
+    try:
+        await stop.wait()
+    finally:
+        projector.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await runner.cleanup()
+        store.close()
+
+
+async def run(service: str, settings: Settings, *, port: int = 0) -> int:
+    rt = await open_runtime(settings, service)
+    stop = _stop_event()
+    try:
+        if service == "relay":
+            await _relay(rt, stop)
+        elif service == "projections":
+            await _projections(rt, stop, port)
+        else:
+            raise ValueError(f"unknown service {service!r}")
+    finally:
+        await rt.close()
+    return 0
