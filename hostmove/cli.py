@@ -40,7 +40,9 @@ def cmd_stack(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             info = stack_up(root)
-            print(f"stack up: NATS {info.nats_url}, S3 {info.s3_endpoint} (endpoints in {root / 'stack.json'})")
+            print(
+                f"stack up: NATS {info.nats_url}, S3 {info.s3_endpoint} (endpoints in {root / 'stack.json'})"
+            )
         elif args.action == "down":
             stopped = stack_down(root)
             print("stack stopped" if stopped else "no stack was running")
@@ -66,8 +68,10 @@ async def _audit(args: argparse.Namespace) -> int:
         print(finding.line())
     clean = check.clean(strict=args.strict)
     scope = f"host {args.host}" if args.host else "every host"
-    print(f"audit of {scope}: {check.messages} events, {len(check.tracks)} objects, "
-          f"{sum(f.severity == 'error' for f in check.findings)} errors: {'clean' if clean else 'NOT clean'}")
+    print(
+        f"audit of {scope}: {check.messages} events, {len(check.tracks)} objects, "
+        f"{sum(f.severity == 'error' for f in check.findings)} errors: {'clean' if clean else 'NOT clean'}"
+    )
     return 0 if clean else 1
 
 
@@ -92,7 +96,9 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hostmove", description="Move a running app instance between regions.")
-    p.add_argument("--root", default=str(DEFAULT_ROOT), help="the embedded stack's directory (default .hostmove)")
+    p.add_argument(
+        "--root", default=str(DEFAULT_ROOT), help="the embedded stack's directory (default .hostmove)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stack", help="start, stop or inspect the embedded stack")

@@ -40,13 +40,20 @@ async def run(root: Path) -> int:
         incarnation = new_incarnation(rt.rng)
         _say(f"3. Creating host {host} on box ie-1 through its claim:")
         begin = await rt.ledger.transition(
-            "claim", host, "create-begin",
-            functools.partial(decide_begin_create, host=host, incarnation=incarnation, box="ie-1", region="ie"),
+            "claim",
+            host,
+            "create-begin",
+            functools.partial(
+                decide_begin_create, host=host, incarnation=incarnation, box="ie-1", region="ie"
+            ),
             causation="demo",
         )
         finish = await rt.ledger.transition(
-            "claim", host, "create-serving",
-            functools.partial(decide_finish_create, incarnation=incarnation), causation="demo",
+            "claim",
+            host,
+            "create-serving",
+            functools.partial(decide_finish_create, incarnation=incarnation),
+            causation="demo",
         )
         for out in (begin, finish):
             if not isinstance(out, Committed):
@@ -67,8 +74,10 @@ async def run(root: Path) -> int:
             _say("   the new host is missing from the feed")
             return 1
         check = await run_audit(rt.events, rt.ledger, host=host)
-        _say(f"5. Audit of {host}: {check.messages} events, "
-             f"{'clean' if check.clean(strict=True) else 'NOT clean'}")
+        _say(
+            f"5. Audit of {host}: {check.messages} events, "
+            f"{'clean' if check.clean(strict=True) else 'NOT clean'}"
+        )
         for finding in check.findings:
             _say(f"   {finding.line()}")
         _say("Not built yet: the move itself (door, source, target; issues 3 and 4).")

@@ -72,7 +72,9 @@ def load_settings(root: Path | None = None) -> Settings:
     try:
         info = msgspec.json.decode(stack_file.read_bytes(), type=StackInfo)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ConfigError(f"{stack_file} is unreadable ({exc}); run `hostmove stack down` then `up`") from None
+        raise ConfigError(
+            f"{stack_file} is unreadable ({exc}); run `hostmove stack down` then `up`"
+        ) from None
     return settings_from_stack(info, root=root, bucket=bucket)
 
 

@@ -40,27 +40,17 @@ async def _relay(rt: Runtime, stop: asyncio.Event) -> None:
 
 
 async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
-    from aiohttp import web
-
-    from projections.api import make_app
+    from projections.api import make_app, serve
     from projections.runner import Projector
     from projections.store import ProjectionStore
 
     store = ProjectionStore.open(rt.settings.root / "projections", rng=rt.rng, clock=rt.clock)
     projector = Projector(store, rt.events, clock=rt.clock)
-    runner = web.AppRunner(make_app(store))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port or 8080)
-    await site.start()
+    runner = await serve(make_app(store, clock=rt.clock, projector=projector), port=port or 8080)
     print(f"projections: read API on http://127.0.0.1:{port or 8080}/ (OpenAPI at /openapi.json)", flush=True)
-    task = asyncio.create_task(projector.run())
     try:
         await stop.wait()
     finally:
-        projector.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
         await runner.cleanup()
         store.close()
 

@@ -1,0 +1,198 @@
+"""The operator's command line as real OS processes against the real stack (issue 2 items 5, 6, 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from bus.nats_log import NatsEventLog
+from bus.subjects import LEDGER_STREAM, ledger_subject
+from events import Actor, Claim, Op
+from hostmove.ports import WallClock
+from hostmove.stackinfo import StackInfo
+from services.ledger import Committed, Crash, Ledger, object_key
+from services.objstore.port import Got
+from services.objstore.s3 import S3Store
+
+HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
+
+
+@pytest.fixture
+def cli_env(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HOSTMOVE_NATS_URL=stack.nats_url,
+        HOSTMOVE_S3_ENDPOINT=stack.s3_endpoint,
+        HOSTMOVE_S3_ACCESS_KEY=stack.s3_access_key,
+        HOSTMOVE_S3_SECRET_KEY=stack.s3_secret_key,
+        HOSTMOVE_BUCKET=unique("cli"),
+        HOSTMOVE_ROOT=str(tmp_path / "root"),
+    )
+    return env
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def parts(
+    stack: StackInfo, cli_env: dict[str, str]
+) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    bucket = cli_env["HOSTMOVE_BUCKET"]
+    await store.create_bucket(bucket)
+    yield store, events, bucket
+    await events.close()
+    await store.close()
+
+
+def ledger_for(
+    parts: tuple[S3Store, NatsEventLog, str], faults: Callable[[str], None] | None = None
+) -> Ledger:
+    store, events, bucket = parts
+    return Ledger(
+        store, events, WallClock(), Actor(service="test", pid=os.getpid(), nonce="t"), bucket, faults
+    )
+
+
+def serving(phase: str) -> Callable[[Claim | None], Claim]:
+    def decide(cur: Claim | None) -> Claim:
+        return msgspec.structs.replace(cur or Claim(host="x", gen=1), op=Op(kind="serving", phase=phase))
+
+    return decide
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(HOSTMOVE + args, env=env, capture_output=True, text=True, timeout=60)
+
+
+async def test_probe_passes_on_seaweedfs(cli_env: dict[str, str], parts: object) -> None:
+    out = await asyncio.to_thread(run_cli, ["probe"], cli_env)
+    assert out.returncode == 0, out.stderr
+    assert "passed" in out.stdout
+    assert cli_env["HOSTMOVE_S3_SECRET_KEY"] not in out.stdout + out.stderr
+
+
+async def test_audit_is_clean_then_names_an_out_of_band_edit(
+    cli_env: dict[str, str], parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
+) -> None:
+    host = f"{unique('audit')}.example.com"
+    ledger = ledger_for(parts)
+    for p in "abc":
+        assert isinstance(await ledger.transition("claim", host, f"s{p}", serving(p)), Committed)
+    out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 events" in out.stdout and "clean" in out.stdout
+    store, _, bucket = parts
+    got = await store.get(bucket, object_key("claim", host))
+    assert isinstance(got, Got)
+    await store.put(
+        bucket, object_key("claim", host), got.body.replace(b'"c"', b'"z"'), metadata=got.metadata
+    )
+    out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
+    assert out.returncode == 1
+    assert f"ERROR claim {host}" in out.stdout and "changed outside the ledger" in out.stdout
+
+
+async def test_missing_configuration_is_a_clear_refusal(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTMOVE_")}
+    env["HOSTMOVE_ROOT"] = str(tmp_path / "nothing")
+    out = await asyncio.to_thread(run_cli, ["audit"], env)
+    assert out.returncode == 2
+    assert "hostmove stack up" in out.stderr and "Traceback" not in out.stderr
+
+
+async def wait_until(check: Callable[[], object], deadline_s: float = 30.0) -> object:
+    end = time.monotonic() + deadline_s
+    while True:
+        value = await check() if asyncio.iscoroutinefunction(check) else check()  # type: ignore[misc]
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.1)
+
+
+async def test_serve_relay_publishes_a_crashed_writers_event(
+    cli_env: dict[str, str], parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
+) -> None:
+    host = f"{unique('relay')}.example.com"
+    _, events, _ = parts
+
+    def crash(point: str) -> None:
+        if point == "after_cas":
+            raise Crash(point)
+
+    with pytest.raises(Crash):
+        await ledger_for(parts, crash).transition("claim", host, "created", serving("a"))
+    assert await events.last(LEDGER_STREAM, ledger_subject("claim", host)) is None
+    proc = subprocess.Popen(
+        HOSTMOVE + ["serve", "relay"], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+
+        async def relayed() -> bool:
+            return await events.last(LEDGER_STREAM, ledger_subject("claim", host)) is not None
+
+        await wait_until(relayed)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 30)
+    assert rc == 0, proc.stderr.read() if proc.stderr else ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_serve_projections_answers_the_read_api(
+    cli_env: dict[str, str], parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
+) -> None:
+    host = f"{unique('proj')}.example.com"
+    await ledger_for(parts).transition("claim", host, "created", serving("a"))
+    port = free_port()
+    proc = subprocess.Popen(
+        HOSTMOVE + ["serve", "projections", "--port", str(port)],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def fetch(path: str) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return None
+
+    try:
+
+        def has_host() -> bool:
+            body = fetch("/v1/hosts")
+            return bool(body) and any(h["host"] == host for h in body["hosts"])  # type: ignore[index]
+
+        end = time.monotonic() + 30
+        while not await asyncio.to_thread(has_host):
+            assert time.monotonic() < end, "host never reached the projection"
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            await asyncio.sleep(0.2)
+        doc = await asyncio.to_thread(fetch, "/openapi.json")
+        assert doc is not None and doc["openapi"].startswith("3.")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 30)
+    assert rc == 0
