@@ -36,11 +36,14 @@ ObligationKind = Literal[
 
 
 class WriterRef(Durable, frozen=True):
-    """A writer session a declaration names (§5.1 step 9; R14-2: unique by ``(box, session)``)."""
+    """A writer session a loss declaration names (§5.1 step 9, D§6: ``{box, generation, session,
+    remote_max_txid}``; R14-2: unique by ``(box, session)``). Writes of that session past
+    ``remote_max_txid`` are declared lost."""
 
     box: Ident
     session: int
     generation: str = ""
+    remote_max_txid: int = 0
 
 
 class Predecessor(Durable, frozen=True):

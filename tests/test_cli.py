@@ -30,15 +30,20 @@ from services.objstore.s3 import S3Store
 HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
 
 
+@pytest.fixture(scope="module")
+def cli_bucket(unique: Callable[[str], str]) -> str:
+    return unique("cli")
+
+
 @pytest.fixture
-def cli_env(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> dict[str, str]:
+def cli_env(stack: StackInfo, cli_bucket: str, tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         HOSTMOVE_NATS_URL=stack.nats_url,
         HOSTMOVE_S3_ENDPOINT=stack.s3_endpoint,
         HOSTMOVE_S3_ACCESS_KEY=stack.s3_access_key,
         HOSTMOVE_S3_SECRET_KEY=stack.s3_secret_key,
-        HOSTMOVE_BUCKET=unique("cli"),
+        HOSTMOVE_BUCKET=cli_bucket,
         HOSTMOVE_ROOT=str(tmp_path / "root"),
     )
     return env

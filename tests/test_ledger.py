@@ -67,21 +67,27 @@ class Env:
         return Ledger(self.store, self.events, self.clock, actor, self.bucket, faults=faults)  # type: ignore[arg-type]
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="session")
-async def real_parts(stack: StackInfo) -> AsyncIterator[tuple[S3Store, NatsEventLog]]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def real_parts(
+    stack: StackInfo, unique: Callable[[str], str]
+) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    """One bucket for the module (weed mini holds about 76 written buckets); hosts are unique per test."""
     store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
     events = await NatsEventLog.connect(stack.nats_url)
-    yield store, events
+    bucket = unique("ledger")
+    await store.create_bucket(bucket)
+    yield store, events, bucket
+    await store.delete_bucket(bucket)
     await events.close()
     await store.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session", params=["memory", "real"])
 async def env(
-    request: pytest.FixtureRequest, unique: Callable[[str], str], real_parts: tuple[S3Store, NatsEventLog]
+    request: pytest.FixtureRequest, unique: Callable[[str], str], real_parts: tuple[S3Store, NatsEventLog, str]
 ) -> Env:
-    bucket = unique("ledger")
     if request.param == "memory":
+        bucket = unique("ledger")
         mem_log = MemoryEventLog()
         store: ObjectStore = MemoryStore()
         await store.create_bucket(bucket)
@@ -90,8 +96,7 @@ async def env(
             mem_log.purge(LEDGER_STREAM)
 
         return Env("memory", store, LossyLog(mem_log), bucket, purge_mem)
-    s3, nats_log = real_parts
-    await s3.create_bucket(bucket)
+    s3, nats_log, bucket = real_parts
 
     async def purge_real(subject: str) -> None:
         await nats_log.js.purge_stream(LEDGER_STREAM, subject=subject)
@@ -193,7 +198,7 @@ async def test_relay_all_publishes_missing_last_gens(env: Env, unique: Callable[
             await env.ledger(crash).transition("record", h, "create", lambda r, h=h: Record(host=h, gen=1))
         assert await history(env, "record", h) == []
     failed = await env.ledger().relay_all()
-    assert failed == []
+    assert not [line for line in failed if any(h in line for h in hosts)]
     for h in hosts:
         assert [e.meta.name for e in await assert_history_matches_store(env, "record", h)] == ["create"]
 
@@ -350,7 +355,8 @@ async def test_property_crashes_and_lost_acks_leave_contiguous_histories(
             crashes += 1
         env.events.lose_acks = 0
     assert crashes > 5 and lost_acks > 3
-    assert await env.ledger().relay_all() == []
+    failed = await env.ledger().relay_all()  # the bucket is shared: other tests' tampered objects show here
+    assert not [line for line in failed if any(h in line for h in hosts)]
     for host in hosts:
         for obj in ("claim", "record"):
             if isinstance(await env.store.get(env.bucket, object_key(obj, host)), Got):

@@ -25,7 +25,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 from urllib.parse import quote
 
 import msgspec
@@ -104,8 +104,8 @@ class Current(Generic[S]):
     body: bytes | None = None  # the exact bytes read (canonical encoding)
 
 
-Decision = S | NoChange | Refusal
-Outcome = Committed[S] | NoChange | Refusal | Conflict
+Decision: TypeAlias = S | NoChange | Refusal  # noqa: UP040 - generic alias, py3.11
+Outcome: TypeAlias = Committed[S] | NoChange | Refusal | Conflict  # noqa: UP040
 
 
 def object_key(obj: ObjectKind, host: str) -> str:
@@ -178,7 +178,7 @@ class Ledger:
     async def read_record(self, host: str) -> Current[Record]:
         return await self.read("record", host)  # type: ignore[return-value]
 
-    def _validate(self, obj: ObjectKind, host: str, got: Got) -> Claim | Record:
+    def _validate(self, obj: ObjectKind, host: str, got: Got) -> Any:
         digest = got.metadata.get(META_SHA)
         if digest != hashlib.sha256(got.body).hexdigest():
             raise DurableValueError(
