@@ -8,10 +8,12 @@ the box as the execution holder.
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 
 from events.claim import Claim, Holder, Op, Touched
-from services.ledger.ledger import NoChange, Refusal
+from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 
 
 def location_for(host: str, incarnation: str) -> str:
@@ -50,3 +52,34 @@ def decide_finish_create(current: Claim | None, *, incarnation: str) -> Claim | 
     return msgspec.structs.replace(
         current, holder=holder, op=Op(kind="serving", exec=box, participants=(box,))
     )
+
+
+async def create_host(ledger: Ledger, host: str, *, box: str, region: str, incarnation: str,
+                      causation: str = "") -> Committed[Claim] | Refusal:
+    """Create ``host`` on ``box``: the ``creating`` CAS (intent first, C2), then ``serving``.
+
+    A crash between the two leaves ``creating`` with the intent; running this again with the same
+    incarnation finishes it.
+    """
+    begin = await ledger.transition(
+        "claim", host, "create-begin",
+        functools.partial(decide_begin_create, host=host, incarnation=incarnation, box=box, region=region),
+        causation=causation,
+    )
+    if isinstance(begin, Refusal):
+        return begin
+    if isinstance(begin, Conflict):
+        return Refusal(f"{host} kept changing while it was being created; try again")
+    finish = await ledger.transition(
+        "claim", host, "create-serving", functools.partial(decide_finish_create, incarnation=incarnation),
+        causation=causation,
+    )
+    if isinstance(finish, Committed):
+        return finish
+    if isinstance(finish, NoChange):
+        current = await ledger.read_claim(host)
+        assert current.state is not None
+        return Committed(current.state, current.etag, current.version_id, None)
+    if isinstance(finish, Conflict):
+        return Refusal(f"{host} kept changing while it was being created; try again")
+    return finish

@@ -1,0 +1,42 @@
+"""Facts and alerts: everything that is not a claim or record transition (ARCHITECTURE §4).
+
+Evidence written, seals recorded, park acknowledgements, roster changes and alerts go on
+``hm.fact.<kind>.<host>`` and ``hm.alert.<kind>`` in the ``HM_FACTS`` stream. A fact carries an id
+that makes its publication idempotent (``Nats-Msg-Id``), its time from the Clock port and the actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from bus.log import EventLog, PubAck
+from bus.subjects import FACTS_STREAM, alert_subject, fact_subject
+from events.base import Durable, Ident, Millis, canonical
+from events.envelope import Actor
+
+
+class Fact(Durable, frozen=True):
+    """One fact: ``kind`` (``evidence``, ``roster``, ``alert``...), the subject's host (or box), the
+    actor, the time and a payload (a durable value, never a secret)."""
+
+    __durable_root__: ClassVar[bool] = True
+
+    kind: Ident
+    subject: Ident
+    id: Ident
+    actor: Actor
+    at: Millis
+    payload: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+async def publish_fact(log: EventLog, fact: Fact) -> PubAck:
+    return await log.publish(FACTS_STREAM, fact_subject(fact.kind, fact.subject), canonical(fact),
+                             msg_id=f"fact:{fact.kind}:{fact.id}")
+
+
+async def publish_alert(log: EventLog, fact: Fact) -> PubAck:
+    """An alert: the operator must look. ``fact.kind`` names the alert."""
+    return await log.publish(FACTS_STREAM, alert_subject(fact.kind), canonical(fact),
+                             msg_id=f"alert:{fact.kind}:{fact.id}")
