@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import re
 import typing
 from functools import cache
 from typing import Annotated, Any, TypeVar
@@ -15,6 +17,10 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from events.durable import (
+    MAX_DEPTH,
+    MAX_IDENT_UNITS,
+    MAX_NODES,
+    MAX_SAFE_INTEGER,
     DurableValueError,
     FrozenMap,
     check_ident,
@@ -87,29 +93,78 @@ def _map_fields(cls: type) -> tuple[str, ...]:
     return tuple(out)
 
 
+_SHORT = MAX_IDENT_UNITS // 2
+"""At most this many code points is at most 1,024 UTF-16 units, whatever the characters."""
+
+_SHAPE_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("_SHAPE_CHECKED", default=False)
+"""Set by :func:`decode` while the bytes it decodes were already bounded (see :func:`_bytes_within_limits`)."""
+
+
+def _is_utf8(text: str) -> bool:
+    """No lone surrogate (the only text Python holds that UTF-8 cannot encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_SIXTEEN_DIGITS = b"0" * 16  # a run this long may exceed 2**53 - 1
+
+
+def _bytes_within_limits(data: bytes) -> bool:
+    """Cheap, conservative bounds on JSON bytes: when they hold, the decoded value is within every
+    shape limit (depth, nodes, safe integers, no NUL) and the exact tree walk can be skipped.
+    Structural characters inside strings only inflate the counts, so a pass is never wrong; a
+    failure just means the exact walk runs (JSON itself cannot carry NaN or infinities, and
+    msgspec refuses lone surrogate escapes)."""
+    if data.count(b"{") + data.count(b"[") >= MAX_DEPTH:
+        return False
+    if data.count(b",") + data.count(b":") + data.count(b"[") + 1 > MAX_NODES:
+        return False
+    if b"\\u0000" in data and _NUL_ESCAPE.search(data):
+        return False
+    return _SIXTEEN_DIGITS not in data.translate(_DIGITS)
+
+
+_PLANS: dict[type, tuple[tuple[tuple[str, str, bool, bool], ...], tuple[str, ...], bool]] = {}
+_EMPTY_MAP = FrozenMap()
+
+
 class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=False):
     """A frozen durable shape. Subclasses set ``__durable_root__ = True`` to be tree-checked."""
 
     def __post_init__(self) -> None:
         cls = type(self)
-        for name, kind, is_seq, may_be_empty in _field_kinds(cls):
+        plan = _PLANS.get(cls)
+        if plan is None:
+            plan = _PLANS[cls] = (_field_kinds(cls), _map_fields(cls), bool(getattr(cls, "__durable_root__", False)))
+        kinds, maps, root = plan
+        trusted = _SHAPE_CHECKED.get()  # decoded text: msgspec refused lone surrogates, the bytes had no NUL
+        for name, kind, is_seq, may_be_empty in kinds:
             value = getattr(self, name)
             if value is None:
                 continue
             values = value if is_seq else (value,)
             for i, item in enumerate(values):
-                path = f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else "")
                 if kind == "ident":
                     if item == "" and may_be_empty:
                         continue  # "" is the spec's "none" for an optional identifier
-                    check_ident(item, path)
-                else:
-                    check_timestamp(item, path)
-        for name in _map_fields(cls):
+                    if (type(item) is str and 0 < len(item) <= _SHORT
+                            and (trusted or ("\x00" not in item and _is_utf8(item)))):
+                        continue  # fast path: short well-formed text is within every identifier limit
+                    check_ident(item, f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else ""))
+                elif not (type(item) is int and 0 <= item <= MAX_SAFE_INTEGER):
+                    check_timestamp(item, f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else ""))
+        for name in maps:
             value = getattr(self, name)
-            if isinstance(value, dict) and not isinstance(value, FrozenMap) or isinstance(value, list):
+            if type(value) is dict:
+                msgspec.structs.force_setattr(self, name, freeze(value) if value else _EMPTY_MAP)
+            elif isinstance(value, list):
                 msgspec.structs.force_setattr(self, name, freeze(value))
-        if getattr(cls, "__durable_root__", False):
+        if root and not trusted:
             check_tree(msgspec.to_builtins(self))
 
 
@@ -139,8 +194,12 @@ def decode(data: bytes, cls: type[T]) -> T:
     Anything that fails (malformed JSON, unknown fields, a limit) raises
     :class:`DurableValueError` with ``code == "decode_failed"``.
     """
+    bounded = _bytes_within_limits(data)
+    token = _SHAPE_CHECKED.set(bounded)
     try:
         value = _decoder(cls).decode(data)
+        if not bounded and not getattr(cls, "__durable_root__", False):
+            check_tree(msgspec.to_builtins(value))  # a root's __post_init__ already ran the exact walk
     except DurableValueError as exc:
         raise exc.as_decode_failed() from None
     except msgspec.ValidationError as exc:
@@ -155,6 +214,8 @@ def decode(data: bytes, cls: type[T]) -> T:
         raise DurableValueError("decode_failed", "json", msg) from None
     except RecursionError:
         raise DurableValueError("decode_failed", "max_depth", "value nested too deeply") from None
+    finally:
+        _SHAPE_CHECKED.reset(token)
     return value
 
 

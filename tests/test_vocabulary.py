@@ -167,3 +167,43 @@ def test_subject_tokens_for_dotted_hosts() -> None:
         decode_token("a.b")
     with pytest.raises(SubjectError):
         encode_token("")
+
+
+def test_read_side_bounds_agree_with_the_exact_walk() -> None:
+    """decode() skips the exact walk only when cheap byte bounds prove it unnecessary."""
+    ok = canonical(claim(inventory={"text": "a\\u0000b", "n": 2**53 - 1}))
+    assert decode(ok, Claim).inventory["text"] == "a\\u0000b"  # an escaped backslash, not a NUL
+    deep = b'{"host":"h","gen":1,"inventory":{"x":' + b"[" * 130 + b"]" * 130 + b"}}"
+    with pytest.raises(DurableValueError) as err:
+        decode(deep, Claim)
+    assert err.value.limit == "max_depth"
+    many = b'{"host":"h","gen":1,"inventory":{"x":[' + b",".join([b"1"] * MAX_NODES) + b"]}}"
+    with pytest.raises(DurableValueError) as err:
+        decode(many, Claim)
+    assert err.value.limit == "max_nodes"
+    big = b'{"host":"h","gen":1,"inventory":{"x":-9007199254740993}}'
+    with pytest.raises(DurableValueError) as err:
+        decode(big, Claim)
+    assert err.value.limit == "safe_integer"
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=5),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=3), children, max_size=4),
+    max_leaves=30,
+))
+def test_decode_refuses_exactly_what_the_write_side_refuses(value: object) -> None:
+    try:
+        built = claim(inventory={"v": value})
+    except DurableValueError as exc:
+        write_limit: str | None = exc.limit
+    else:
+        write_limit = None
+    raw = msgspec.json.encode({"host": "h", "gen": 1, "inventory": {"v": value}})
+    try:
+        decode(raw, Claim)
+    except DurableValueError as exc:
+        assert write_limit == exc.limit
+    else:
+        assert write_limit is None and decode(canonical(built), Claim) == built
