@@ -25,7 +25,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy events bus services projections hostmove
+	$(BIN)/mypy events bus services projections hostmove moveprobe
 
 stack-down: $(STAMP)
 	$(BIN)/hostmove stack down

@@ -82,6 +82,53 @@ async def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _box(args: argparse.Namespace) -> int:
+    from services.box.roster import RosterRefusal, init_box
+
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "box-init", box=args.label)
+    try:
+        init = await init_box(
+            root=settings.root, label=args.label, region=args.region, store=rt.store, bucket=settings.bucket,
+            events=rt.events, clock=rt.clock, actor=rt.actor,
+            secrets_key=Path(args.secrets_key) if args.secrets_key else None,
+        )
+    except RosterRefusal as exc:
+        print(f"box init refused: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await rt.close()
+    print(f"box {init.label} in region {init.region}: {init.box_dir} (secrets key {init.secrets_key_fp}, "
+          f"roster gen {init.roster_gen})")
+    return 0
+
+
+async def _host(args: argparse.Namespace) -> int:
+    from events.ids import new_incarnation
+    from services.box.roster import read_roster
+    from services.hosts.create import create_host
+    from services.ledger import Refusal
+
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    try:
+        roster, _ = await read_roster(rt.store, settings.bucket)
+        entry = roster.box(args.box) if roster else None
+        if entry is None:
+            print(f"{args.host} was not created: box {args.box} is not in the roster "
+                  "(run `hostmove box init` on it first).", file=sys.stderr)
+            return 1
+        out = await create_host(rt.ledger, args.host, box=entry.label, region=entry.region,
+                                incarnation=new_incarnation(rt.rng), causation="cli:host-create")
+    finally:
+        await rt.close()
+    if isinstance(out, Refusal):
+        print(f"{args.host} was not created: {out.reason}", file=sys.stderr)
+        return 1
+    print(f"{args.host} is serving on {entry.label} ({entry.region}), claim gen {out.state.gen}")
+    return 0
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from hostmove import serve
 
@@ -110,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("service", choices=SERVICES)
     sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")
     sub.add_parser("probe", help="run the object-store conformance probe")
+    bx = sub.add_parser("box", help="set up a box")
+    bx_sub = bx.add_subparsers(dest="box_action", required=True)
+    bi = bx_sub.add_parser("init", help="create the box directory, hold the secrets key, join the roster")
+    bi.add_argument("--label", required=True)
+    bi.add_argument("--region", required=True)
+    bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: generated once")
+    hs = sub.add_parser("host", help="manage hosts")
+    hs_sub = hs.add_subparsers(dest="host_action", required=True)
+    hc = hs_sub.add_parser("create", help="create a host on a box through its claim")
+    hc.add_argument("host")
+    hc.add_argument("--box", required=True)
     sub.add_parser("demo", help="bring the stack up and show the system working")
     return p
 
@@ -120,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
-        runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo}[args.command]
+        runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "box": _box,
+                  "host": _host}[args.command]
         return asyncio.run(runner(args))
     except ConfigError as exc:
         print(f"hostmove: {exc}", file=sys.stderr)

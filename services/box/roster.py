@@ -1,0 +1,175 @@
+"""The roster and box initialization (issue 3 item 1; spec §7.1 "over the roster", §10, §11).
+
+``control/roster.json`` in the deployment bucket lists every box: label, region, ``moves_protocol``
+(§11: every box publishes ``moves_protocol: 1``) and ``secrets_key_fp`` (§10). It is rewritten whole
+by compare-and-swap (If-Match, or If-None-Match to create), with a ``gen`` per write so identical
+bytes never reproduce an old ETag. Each registration is also a ``roster`` fact on the stream.
+
+``init_box`` creates the box's directory (``<root>/boxes/<label>/``), holds the deployment's P-256
+secrets key there with owner-only permissions, and registers the box.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import msgspec
+
+from bus.facts import Fact, publish_fact
+from bus.log import EventLog
+from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
+from events.envelope import Actor
+from hostmove.ports import Clock
+from services.box.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
+from services.objstore.port import Got, Lost, ObjectStore
+
+ROSTER_KEY = "control/roster.json"
+MOVES_PROTOCOL = 1
+
+
+class RosterBox(Durable, frozen=True):
+    label: Ident
+    region: Ident
+    moves_protocol: int
+    secrets_key_fp: str
+    registered_at: Millis
+
+
+class Roster(Durable, frozen=True):
+    __durable_root__: ClassVar[bool] = True
+
+    gen: int
+    boxes: tuple[RosterBox, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_gen(self.gen, "Roster.gen")
+
+    def box(self, label: str) -> RosterBox | None:
+        return next((b for b in self.boxes if b.label == label), None)
+
+    def in_region(self, region: str) -> list[RosterBox]:
+        return [b for b in self.boxes if b.region == region]
+
+
+class RosterRefusal(Exception):
+    """A registration the roster refuses, in the operator's words."""
+
+
+def decide_register(current: Roster | None, entry: RosterBox) -> Roster:
+    """Add or refresh a box. A label never moves to another region (that would be a new box)."""
+    boxes = list(current.boxes) if current else []
+    existing = next((b for b in boxes if b.label == entry.label), None)
+    if existing is not None:
+        if existing.region != entry.region:
+            raise RosterRefusal(
+                f"box {entry.label} is registered in region {existing.region}; a box never changes region"
+            )
+        boxes = [entry if b.label == entry.label else b for b in boxes]
+    else:
+        boxes.append(entry)
+    boxes.sort(key=lambda b: b.label)
+    return Roster(gen=(current.gen + 1) if current else 1, boxes=tuple(boxes))
+
+
+async def read_roster(store: ObjectStore, bucket: str) -> tuple[Roster | None, str | None]:
+    """The roster and its ETag. A corrupt roster raises ``DurableValueError`` (C6)."""
+    got = await store.get(bucket, ROSTER_KEY)
+    if not isinstance(got, Got):
+        return None, None
+    return decode(got.body, Roster), got.etag
+
+
+async def update_roster(
+    store: ObjectStore, bucket: str, decide: Callable[[Roster | None], Roster], attempts: int = 5
+) -> Roster:
+    """Read, decide, CAS; a lost CAS re-reads and decides again."""
+    for _ in range(attempts):
+        current, etag = await read_roster(store, bucket)
+        new = decide(current)
+        result = await store.put(bucket, ROSTER_KEY, canonical(new), if_match=etag, if_none_match=etag is None)
+        if not isinstance(result, Lost):
+            return new
+    raise RosterRefusal("the roster kept changing under this registration; try again")
+
+
+@dataclass(frozen=True)
+class BoxInit:
+    label: str
+    region: str
+    box_dir: Path
+    secrets_key_fp: str
+    roster_gen: int
+
+
+def deployment_key_path(root: Path) -> Path:
+    return root / "deployment" / "secrets.pem"
+
+
+def ensure_deployment_key(root: Path, source: Path | None = None) -> Path:
+    """The deployment's secrets key for the embedded default: ``source`` if given, else the one under
+    ``<root>/deployment/``, generated once."""
+    if source is not None:
+        load_private_key(source)  # refuses a world-readable or malformed key
+        return source
+    path = deployment_key_path(root)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        save_private_key(generate_private_key(), path)
+    return path
+
+
+async def init_box(
+    *,
+    root: Path,
+    label: str,
+    region: str,
+    store: ObjectStore,
+    bucket: str,
+    events: EventLog,
+    clock: Clock,
+    actor: Actor,
+    secrets_key: Path | None = None,
+) -> BoxInit:
+    """Create the box directory, hold the secrets key (0600) and register the box in the roster."""
+    validate_ident(label, "box label")
+    validate_ident(region, "region")
+    if "/" in label or label.startswith("."):
+        raise RosterRefusal("a box label cannot contain '/' or start with '.'")
+    key_path = ensure_deployment_key(root, secrets_key)
+    box_dir = root / "boxes" / label
+    box_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    held = box_dir / "secrets.pem"
+    if not held.exists():
+        tmp = box_dir / "secrets.pem.tmp"
+        shutil.copyfile(key_path, tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, held)
+    fp = secrets_key_fp(load_private_key(held))
+    identity = {"label": label, "region": region}
+    box_file = box_dir / "box.json"
+    if box_file.exists() and json.loads(box_file.read_text()) != identity:
+        raise RosterRefusal(f"{box_dir} already belongs to another box")
+    box_file.write_text(json.dumps(identity))
+    entry = RosterBox(
+        label=label, region=region, moves_protocol=MOVES_PROTOCOL, secrets_key_fp=fp, registered_at=clock.now_ms()
+    )
+    roster = await update_roster(store, bucket, lambda cur: decide_register(cur, entry))
+    await publish_fact(
+        events,
+        Fact(
+            kind="roster",
+            subject=label,
+            id=f"{label}:{roster.gen}",
+            actor=actor,
+            at=clock.now_ms(),
+            payload=msgspec.to_builtins(entry),
+        ),
+    )
+    return BoxInit(label=label, region=region, box_dir=box_dir, secrets_key_fp=fp, roster_gen=roster.gen)
