@@ -1,0 +1,1 @@
+"""Small programs and helpers the tests run as real processes."""

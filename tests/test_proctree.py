@@ -1,0 +1,334 @@
+"""Instances as real OS processes in a real cgroup v2 leaf (spec §5.3, §14.1; ARCHITECTURE §6)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.box.proctree import (
+    AGENT_LEAF,
+    CgroupTree,
+    StrictRefused,
+    current_cgroup_dir,
+    find_cgroup2_root,
+    host_of_leaf,
+    leaf_name,
+    open_holders,
+    stray_processes,
+)
+from tests.helpers.cgtest import (
+    Reaper,
+    alive,
+    as_agent,
+    box_tree,
+    cgroup_root,
+    forker,
+    python_env,
+    read_pid,
+    wait_for,
+)
+
+HOST = "shop.example.com"
+
+
+@pytest.fixture
+def box(unique: Callable[..., str]) -> Iterator[tuple[CgroupTree, Path]]:
+    with box_tree(unique("box.proc")) as made:
+        yield made
+
+
+@pytest.fixture
+def reaper() -> Iterator[Reaper]:
+    r = Reaper()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def spawn_tree(tree: CgroupTree, host: str, work: Path) -> tuple[int, int]:
+    """Start the forker's tree in the host's leaf; wait until the app exited and its descendant lives."""
+    out = work / host
+    out.mkdir()
+    spawned = tree.spawn_strict(
+        host,
+        forker("tree", str(out)),
+        env=python_env(),
+        cwd=work,
+        stdout=work / f"{host}.out",
+        stderr=work / f"{host}.err",
+    )
+    assert spawned.process.wait(timeout=20) == 0, (work / f"{host}.err").read_text()
+    parent = read_pid(out / "parent.pid")
+    assert parent == spawned.pid
+    return parent, read_pid(out / "descendant.pid")
+
+
+# -- names and discovery -------------------------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=80))
+def test_leaf_names_are_safe_and_reversible(name: str) -> None:
+    token = leaf_name(name)
+    assert "." not in token and "/" not in token and "@" not in token and "\x00" not in token
+    assert len(token.encode()) <= 255
+    if token.startswith("_~"):  # too long to spell out: a hash, unique but not reversible
+        assert len(name.encode()) * 3 > 240 and host_of_leaf(token) is None
+    else:
+        assert host_of_leaf(token) == name
+
+
+def test_leaf_names_for_dotted_and_long_hosts() -> None:
+    assert leaf_name("shop.example.com") == "shop_2Eexample_2Ecom"
+    assert leaf_name("a_b") == "a_5Fb"
+    long = "x." * 150
+    token = leaf_name(long)
+    assert token.startswith("_~") and len(token) == 66 and host_of_leaf(token) is None
+    assert leaf_name(long + "y") != token
+    assert host_of_leaf("cgroup.procs") is None and host_of_leaf(AGENT_LEAF) is None
+
+
+def test_find_cgroup2_root_reads_mounts(tmp_path: Path) -> None:
+    hybrid = tmp_path / "hybrid"
+    hybrid.write_text(
+        "tmpfs /sys/fs/cgroup tmpfs rw 0 0\n"
+        "cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n"
+        "cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n"
+    )
+    assert find_cgroup2_root(hybrid) == Path("/sys/fs/cgroup/unified")
+    unified = tmp_path / "unified"
+    unified.write_text("cgroup2 /sys/fs/cgroup cgroup2 rw,nsdelegate 0 0\n")
+    assert find_cgroup2_root(unified) == Path("/sys/fs/cgroup")
+    spaced = tmp_path / "spaced"
+    spaced.write_text("none /mnt/my\\040groups cgroup2 rw 0 0\n")
+    assert find_cgroup2_root(spaced) == Path("/mnt/my groups")
+    v1 = tmp_path / "v1"
+    v1.write_text("cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n")
+    assert find_cgroup2_root(v1) is None
+    assert find_cgroup2_root(tmp_path / "absent") is None
+    real = find_cgroup2_root()
+    assert real is not None and (real / "cgroup.controllers").exists()
+
+
+def test_without_cgroup2_the_box_says_so_and_never_spawns(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n")
+    tree = CgroupTree.discover("box-a", mounts=mounts)
+    ok, reason = tree.strict_available()
+    assert not ok and "no cgroup v2" in reason and "refuses" in reason
+    marker = tmp_path / "ran"
+    with pytest.raises(StrictRefused, match="no cgroup v2"):
+        tree.spawn_strict(
+            HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path,
+            stdout=tmp_path / "o", stderr=tmp_path / "e",
+        )
+    assert not marker.exists()
+
+
+def test_strict_available_on_this_machine(box: tuple[CgroupTree, Path]) -> None:
+    tree, _ = box
+    ok, reason = tree.strict_available()
+    assert ok, reason
+    assert tree.base is not None and (tree.base / "cgroup.kill").exists()
+
+
+# -- strict spawns -------------------------------------------------------------------------------------------
+
+
+def test_the_app_is_in_the_leaf_before_it_executes(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    tree, _ = box
+    out = tmp_path / "cg"
+    spawned = tree.spawn_strict(
+        HOST, forker("cgroup", str(out)), env=python_env(), cwd=tmp_path, stdout=tmp_path / "o", stderr=tmp_path / "e"
+    )
+    root = cgroup_root()
+
+    def seen() -> str | None:
+        return out.read_text() if out.exists() else None
+
+    text = wait_for(seen, "the app's first look at its cgroup")
+    line = next(x for x in text.splitlines() if x.startswith("0::"))
+    assert root / line[3:].lstrip("/") == tree.leaf(HOST) == spawned.leaf
+    assert tree.members(HOST) == (spawned.pid,)
+    assert tree.populated(HOST)
+
+
+def test_a_spawn_that_cannot_be_placed_never_runs(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    """The kernel refuses processes in a "domain invalid" group (a sibling was made threaded): the shim's
+    placement fails, the app never runs, the spawn refuses, and the group stays empty."""
+    tree, _ = box
+    leaf = tree.prepare_strict(HOST)
+    sibling = tree.prepare_strict("threaded.sibling")
+    (sibling / "cgroup.type").write_text("threaded")
+    assert (leaf / "cgroup.type").read_text().strip() == "domain invalid"
+    marker = tmp_path / "ran"
+    try:
+        with pytest.raises(StrictRefused, match="could not be placed"):
+            tree.spawn_strict(
+                HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path,
+                stdout=tmp_path / "o", stderr=tmp_path / "e",
+            )
+        assert not marker.exists()
+        assert not tree.populated(HOST)
+    finally:
+        sibling.rmdir()
+    assert (leaf / "cgroup.type").read_text().strip() == "domain"
+    tree.spawn_strict(
+        HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path, stdout=tmp_path / "o", stderr=tmp_path / "e"
+    ).process.wait(timeout=10)
+    assert marker.exists()
+
+
+def test_a_missing_program_is_a_plain_error(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    tree, _ = box
+    with pytest.raises(FileNotFoundError, match="no-such-program"):
+        tree.spawn_strict(
+            HOST, ["no-such-program"], env=python_env(), cwd=tmp_path, stdout=tmp_path / "o", stderr=tmp_path / "e"
+        )
+    assert not tree.populated(HOST)
+
+
+async def test_a_descendant_that_outlives_its_parent_keeps_the_group_populated(
+    box: tuple[CgroupTree, Path], tmp_path: Path
+) -> None:
+    tree, _ = box
+    parent, descendant = spawn_tree(tree, HOST, tmp_path)
+    # The app (the "main process") exited; a check that waits for it alone would call the host stopped.
+    assert not alive(parent)
+    assert alive(descendant)
+    assert os.listdir(f"/proc/{descendant}/fd") == []  # it closed every descriptor
+    assert tree.populated(HOST)
+    assert tree.members(HOST) == (descendant,)
+    with pytest.raises(StrictRefused, match="still has processes"):
+        tree.prepare_strict(HOST)
+    marker = tmp_path / "second"
+    with pytest.raises(StrictRefused, match="still has processes"):
+        tree.spawn_strict(
+            HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path,
+            stdout=tmp_path / "o", stderr=tmp_path / "e",
+        )
+    assert not marker.exists()
+
+    drain = await tree.kill_and_drain(HOST, within_s=10)
+    assert drain.existed and drain.drained and not drain.error
+    assert drain.pids_before == (descendant,)
+    assert not tree.populated(HOST)
+    assert not alive(descendant)
+    assert tree.prepare_strict(HOST) == tree.leaf(HOST)  # empty again: a strict spawn may proceed
+
+
+async def test_a_restarted_agent_reopens_and_drains(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    tree, _ = box
+    _, descendant = spawn_tree(tree, HOST, tmp_path)
+    assert tree.root is not None
+    restarted = CgroupTree(tree.root, tree.box_label)  # no memory of the spawn
+    assert restarted.populated(HOST)
+    assert restarted.members(HOST) == (descendant,)
+    drain = await restarted.reopen_and_drain(HOST, within_s=10)
+    assert drain.drained and drain.pids_before == (descendant,)
+    assert not alive(descendant)
+    assert not tree.populated(HOST) and not restarted.populated(HOST)
+
+
+async def test_reopen_and_drain_never_creates_a_group(box: tuple[CgroupTree, Path]) -> None:
+    tree, _ = box
+    assert tree.strict_available()[0]
+    drain = await tree.reopen_and_drain("never.spawned", within_s=1)
+    assert drain.drained and not drain.existed and drain.pids_before == ()
+    assert not tree.leaf("never.spawned").exists()
+    assert not tree.populated("never.spawned")
+
+
+async def test_hosts_are_isolated(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    tree, _ = box
+    _, d1 = spawn_tree(tree, "one.example", tmp_path)
+    _, d2 = spawn_tree(tree, "two.example", tmp_path)
+    await tree.kill_and_drain("one.example", within_s=10)
+    assert not alive(d1) and alive(d2)
+    assert tree.populated("two.example")
+    await tree.kill_and_drain("two.example", within_s=10)
+    assert not alive(d2)
+
+
+# -- scans ---------------------------------------------------------------------------------------------------
+
+
+def test_open_holders_finds_database_wal_and_shm(tmp_path: Path, reaper: Reaper) -> None:
+    db = tmp_path / "app.db"
+    ready = tmp_path / "ready"
+    proc = reaper.start(forker("hold", str(db), str(ready)))
+    pid = read_pid(ready)
+    assert pid == proc.pid
+    paths = [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
+    scan = open_holders(paths)
+    assert scan.complete and scan.scanned > 1
+    mine = {h.path: h.via for h in scan.holders if h.pid == pid}
+    assert mine == {str(db): "fd", f"{db}-wal": "fd", f"{db}-shm": "fd,map"}  # SQLite maps the SHM
+    assert all(h.pid == pid for h in scan.holders)
+    assert {h.name for h in scan.holders} == {"python"} or all(h.name != "?" for h in scan.holders)
+    # through a symlinked directory, the same files are found
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    assert {h.pid for h in open_holders([link / "app.db"]).holders} == {pid}
+    # an owner filter that does not match skips the process
+    assert open_holders(paths, uid=os.getuid() + 12345).holders == ()
+    proc.kill()
+    proc.wait(timeout=10)
+    assert open_holders(paths).holders == ()
+
+
+def test_a_held_file_that_was_unlinked_still_counts(tmp_path: Path, reaper: Reaper) -> None:
+    db = tmp_path / "gone.db"
+    ready = tmp_path / "ready"
+    reaper.start(forker("hold", str(db), str(ready)))
+    pid = read_pid(ready)
+    os.unlink(f"{db}-wal")
+    held = {(h.pid, h.path) for h in open_holders([Path(f"{db}-wal")]).holders}
+    assert (pid, f"{db}-wal") in held
+
+
+def test_our_own_connection_is_a_holder(tmp_path: Path) -> None:
+    """The agent is not exempt: the replicator must be closed before evidence (§5.3 joint D3)."""
+    db = tmp_path / "self.db"
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("CREATE TABLE t (x)")
+        assert os.getpid() in {h.pid for h in open_holders([db]).holders}
+    finally:
+        conn.close()
+    assert open_holders([db]).holders == ()
+
+
+def test_an_unreadable_proc_is_never_no_holders(tmp_path: Path) -> None:
+    missing = open_holders([tmp_path / "x.db"], proc=tmp_path / "no-proc")
+    assert not missing.complete and "cannot list" in missing.error
+    fake = tmp_path / "fake-proc"
+    (fake / "1" / "fd").mkdir(parents=True)
+    other_ns = open_holders([tmp_path / "x.db"], proc=fake)
+    assert not other_ns.complete and "does not show this process" in other_ns.error
+
+
+def test_stray_processes_in_the_agent_leaf(box: tuple[CgroupTree, Path], reaper: Reaper, tmp_path: Path) -> None:
+    tree, home = box
+    with as_agent(tree, home) as agent:
+        assert current_cgroup_dir(cgroup_root()) == agent == tree.agent_dir()
+        clean = tree.strays(os.getpid())
+        assert clean.readable and clean.strays == ()
+        # a child started the ordinary (non-strict) way inherits the agent's group: a stray
+        ready = tmp_path / "stray"
+        proc = reaper.start(forker("sleep", str(ready)))
+        read_pid(ready)
+        scan = stray_processes(agent, os.getpid())
+        assert scan.readable and scan.strays == (proc.pid,)
+        assert tree.strays(os.getpid()).strays == (proc.pid,)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert tree.strays(os.getpid()).strays == ()
+    unreadable = stray_processes(tmp_path / "not-a-cgroup", os.getpid())
+    assert not unreadable.readable and "cannot read" in unreadable.error
