@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from hostmove.fsutil import atomic_write
 from hostmove.stackinfo import StackInfo
 
 BIN_DIR = Path(sys.executable).parent
@@ -107,16 +108,7 @@ def _sock_dir(root: Path) -> Path:
 
 def _write_private(path: Path, data: bytes) -> None:
     """Atomically write ``data`` to ``path`` with mode 0600."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    atomic_write(path, data, mode=0o600)
 
 
 def _read(path: Path, typ: type[Any]) -> Any:

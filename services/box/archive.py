@@ -49,6 +49,7 @@ import zstandard
 
 from events.base import Durable, DurableValueError, Ident, decode
 from events.record import FilesDigest
+from hostmove.fsutil import fsync_dir
 from hostmove.ports import Random, SystemRandom
 from services.box.sealing import (
     DEFAULT_CHUNK_SIZE,
@@ -722,16 +723,8 @@ def extract(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if fsync:
-        _fsync_dir(str(dest.parent))
+        fsync_dir(str(dest.parent))
     return manifest
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unpack(source: _Readable, manifest: ArchiveManifest, data_key: bytes, root: str, cap: int, fsync: bool) -> None:
@@ -758,10 +751,10 @@ def _unpack(source: _Readable, manifest: ArchiveManifest, data_key: bytes, root:
     for name in sorted(dirs, key=len, reverse=True):  # children before parents: a 0555 folder is set last
         path = os.path.join(root, name)
         if fsync:
-            _fsync_dir(path)
+            fsync_dir(path)
         os.chmod(path, dirs[name])
     if fsync:
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def _write_members(stream: BinaryIO, root: str, fsync: bool) -> tuple[dict[str, int], tuple[ArchiveFile, ...], int]:

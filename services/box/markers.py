@@ -12,13 +12,13 @@ The start check is pure (:func:`start_check`); reading and writing the markers i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.durable import DurableValueError
+from hostmove.fsutil import atomic_write
 from services.objstore.port import Got, Lost, ObjectStore, Won
 
 ORIGIN = ""
@@ -149,23 +149,9 @@ def start_check(
 # -- the shell ------------------------------------------------------------------------------------
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def write_local_gen(db_path: Path, generation: str) -> None:
     """``<host>.gen`` beside the database: the name, one line (written after a restore completes)."""
-    _fsync_write(db_path.with_suffix(".gen"), (normalize(generation) + "\n").encode())
+    atomic_write(db_path.with_suffix(".gen"), (normalize(generation) + "\n").encode())
 
 
 def read_local_gen(db_path: Path) -> str | None:
@@ -180,7 +166,7 @@ def read_local_gen(db_path: Path) -> str | None:
 
 def write_files_gen(files_dir: Path, op: str, incarnation: str) -> None:
     """``.files-gen``, written last (after files, ``.env``, timers and registry columns are durable)."""
-    _fsync_write(files_dir / ".files-gen", canonical(FilesGen(op=op, incarnation=incarnation)))
+    atomic_write(files_dir / ".files-gen", canonical(FilesGen(op=op, incarnation=incarnation)))
 
 
 def read_files_gen(files_dir: Path) -> FilesGen | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from bus.subjects import SubjectError, decode_token, encode_token
 from hostmove.ports import Clock, WallClock
 
 __all__ = [
@@ -63,7 +64,6 @@ AGENT_LEAF = "@agent"
 """The agent's own leaf under ``<cgroup2>/hostmove/<box>/`` (``@`` never appears in a leaf name)."""
 SHIM_REFUSED = 125
 _MAX_LEAF_BYTES = 240
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
 _LEAF = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _POLL_S = 0.005
 _REKILL_S = 0.1
@@ -89,35 +89,28 @@ class StrictRefused(Exception):
 
 
 def leaf_name(name: str) -> str:
-    """A safe, reversible directory name for a host or box label (``h.example`` -> ``h_2Eexample``).
+    """A safe, reversible directory name for a host or box label (``h.example`` -> ``h_2Eexample``):
+    the subject-token encoding of :mod:`bus.subjects`, which never produces a dot.
 
     Names longer than 240 bytes encoded become ``_~<sha256>``: unique but not reversible (a host name is at
     most 253 characters, so only a pathological name gets there).
     """
     if not name:
         raise ValueError("a cgroup leaf needs a non-empty name")
-    token = "".join(chr(b) if b in _SAFE else f"_{b:02X}" for b in name.encode("utf-8"))
-    if len(token) > _MAX_LEAF_BYTES:
+    try:
+        token = encode_token(name)
+    except SubjectError:
+        token = ""
+    if not token or len(token) > _MAX_LEAF_BYTES:
         return "_~" + hashlib.sha256(name.encode("utf-8")).hexdigest()
     return token
 
 
 def host_of_leaf(token: str) -> str | None:
     """The inverse of :func:`leaf_name`; ``None`` for a hashed or foreign name."""
-    if not _LEAF.match(token):
-        return None
-    raw = bytearray()
-    i = 0
-    while i < len(token):
-        if token[i] == "_":
-            raw.append(int(token[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.append(ord(token[i]))
-            i += 1
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
+        return decode_token(token)
+    except (SubjectError, UnicodeDecodeError):
         return None
 
 

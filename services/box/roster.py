@@ -12,8 +12,6 @@ secrets key there with owner-only permissions, and registers the box.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from bus.facts import Fact, publish_fact
 from bus.log import EventLog
 from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
 from events.envelope import Actor
+from hostmove.fsutil import atomic_write
 from hostmove.ports import Clock
 from services.box.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
 from services.objstore.port import Got, Lost, ObjectStore
@@ -147,10 +146,7 @@ async def init_box(
     box_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     held = box_dir / "secrets.pem"
     if not held.exists():
-        tmp = box_dir / "secrets.pem.tmp"
-        shutil.copyfile(key_path, tmp)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, held)
+        atomic_write(held, key_path.read_bytes(), mode=0o600)
     fp = secrets_key_fp(load_private_key(held))
     identity = {"label": label, "region": region}
     box_file = box_dir / "box.json"

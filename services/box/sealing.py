@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
@@ -35,6 +34,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from events.base import Durable
+from hostmove.fsutil import atomic_write
 from hostmove.ports import Random, SystemRandom
 
 PrivateKey = ec.EllipticCurvePrivateKey
@@ -92,26 +92,7 @@ def save_private_key(key: PrivateKey, path: str | Path, *, overwrite: bool = Fal
     if path.exists() and not overwrite:
         raise SealError(f"refusing to overwrite the existing key file {path}")
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # created 0600
-    try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(pem)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, pem, mode=0o600)
 
 
 def load_private_key(path: str | Path) -> PrivateKey:

@@ -36,6 +36,7 @@ import sqlite_utils
 
 from events.base import validate_ident
 from events.claim import Claim
+from hostmove.fsutil import atomic_write, fsync_dir
 from hostmove.ports import Clock
 from services.box.guard import Guarded
 from services.box.registry import open_db, transaction
@@ -356,7 +357,7 @@ class StampBook:
             "event": event,
             "artifacts": [entries[k] for k in sorted(entries)],
         }
-        _write_atomic(manifest, json.dumps(body, sort_keys=True, indent=1).encode())
+        atomic_write(manifest, json.dumps(body, sort_keys=True, indent=1).encode())
         with transaction(self.conn):
             for a, to in plan:
                 self.conn.execute(
@@ -381,8 +382,8 @@ class StampBook:
                 )
             target.parent.mkdir(parents=True, exist_ok=True)
             os.rename(src, target)
-            _fsync_dir(target.parent)
-            _fsync_dir(src.parent)
+            fsync_dir(target.parent)
+            fsync_dir(src.parent)
         # gone already: moved by an interrupted run of this park, or deleted by a purge (not a retirement)
         self.conn.execute(
             "DELETE FROM artifacts WHERE host=? AND incarnation=? AND name=?", (host, incarnation, a.name)
@@ -390,19 +391,3 @@ class StampBook:
         return ParkedArtifact(a.name, a.stamp, a.path, str(target))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
