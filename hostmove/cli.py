@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runtime
 
-SERVICES = ("relay", "projections")
+SERVICES = ("relay", "projections", "door")
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -5,6 +5,8 @@ Every service starts by running the object-store conformance probe (exit 3 on a 
 - ``relay``: republishes any claim or record whose latest gen is not on the stream (ARCHITECTURE §4),
   on a timer from the Clock port. Objects it cannot settle are logged as errors every pass.
 - ``projections``: the projector (snapshot and change feed in SQLite) and its HTTP read API.
+- ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
+  (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,27 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
         store.close()
 
 
+async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
+    from services.door.api import serve_door
+    from services.door.auth import load_tokens
+
+    runner = await serve_door(rt, port or 8081, tokens=load_tokens())
+    print(f"door: operator API on http://127.0.0.1:{port or 8081}/ (OpenAPI at /openapi.json)", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 async def run(service: str, settings: Settings, *, port: int = 0) -> int:
+    if service == "door":
+        from services.door.auth import TokenConfigError, load_tokens
+
+        try:
+            load_tokens()
+        except TokenConfigError as exc:
+            print(f"hostmove serve door: {exc}", flush=True)
+            return 2
     rt = await open_runtime(settings, service)
     stop = _stop_event()
     try:
@@ -63,6 +85,8 @@ async def run(service: str, settings: Settings, *, port: int = 0) -> int:
             await _relay(rt, stop)
         elif service == "projections":
             await _projections(rt, stop, port)
+        elif service == "door":
+            await _door(rt, stop, port)
         else:
             raise ValueError(f"unknown service {service!r}")
     finally:

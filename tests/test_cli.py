@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -201,3 +202,46 @@ async def test_serve_projections_answers_the_read_api(
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 30)
     assert rc == 0
+
+
+async def test_serve_door_requires_tokens_and_hides_everything_without_one(
+    cli_env: dict[str, str], parts: object
+) -> None:
+    env = {k: v for k, v in cli_env.items() if not k.startswith("HOSTMOVE_OPERATOR")}
+    out = await asyncio.to_thread(run_cli, ["serve", "door", "--port", str(free_port())], env)
+    assert out.returncode == 2 and "token" in (out.stdout + out.stderr).lower()
+    import hashlib
+
+    token = "s3cret-operator-token"
+    env["HOSTMOVE_OPERATOR_TOKENS"] = "ops=" + hashlib.sha256(token.encode()).hexdigest()
+    port = free_port()
+    proc = subprocess.Popen(HOSTMOVE + ["serve", "door", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def post(path: str, auth: str | None) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b'{"to":"uk"}', method="POST")
+        if auth:
+            req.add_header("Authorization", auth)
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+        except OSError:
+            return 0, b""
+
+    try:
+        end = time.monotonic() + 30
+        while (await asyncio.to_thread(post, "/v1/hosts/a.example.com/move", None))[0] == 0:
+            assert time.monotonic() < end and proc.poll() is None, "door never answered"
+            await asyncio.sleep(0.2)
+        anon = await asyncio.to_thread(post, "/v1/hosts/a.example.com/move", None)
+        wrong = await asyncio.to_thread(post, "/v1/hosts/b.example.com/move", "Bearer nope")
+        assert anon[0] == wrong[0] == 404 and anon[1] == wrong[1], "a refusal that reveals nothing"
+        authed = await asyncio.to_thread(post, "/v1/hosts/a.example.com/move", f"Bearer {token}")
+        assert authed[0] == 404 and authed[1] != anon[1], "an operator learns the host does not exist"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 30)
+        logs = (proc.stdout.read() if proc.stdout else "") + (proc.stderr.read() if proc.stderr else "")
+    assert rc == 0 and token not in logs
