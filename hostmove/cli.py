@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runtime
 
-SERVICES = ("relay", "projections", "door")
+SERVICES = ("relay", "projections", "door", "recovery")
 
 
 def _setup_logging(verbose: bool) -> None:

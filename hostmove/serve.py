@@ -5,6 +5,8 @@ Every service starts by running the object-store conformance probe (exit 3 on a 
 - ``relay``: republishes any claim or record whose latest gen is not on the stream (ARCHITECTURE §4),
   on a timer from the Clock port. Objects it cannot settle are logged as errors every pass.
 - ``projections``: the projector (snapshot and change feed in SQLite) and its HTTP read API.
+- ``recovery``: the console's recovery pass (claim halves the record decided, releases from
+  ``last_move``, deadline alerts), on a timer.
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 """
@@ -57,6 +59,23 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
         store.close()
 
 
+RECOVERY_INTERVAL_S = 5.0
+
+
+async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
+    from services.recovery.recovery import RecoveryPass
+
+    recovery = RecoveryPass(rt.ledger, rt.events)
+    while not stop.is_set():
+        report = await recovery.run_once()
+        for line in report.claim_halves + report.records_finished:
+            log.info("recovery wrote %s", line)
+        for line in report.errors:
+            log.error("recovery could not settle %s", line)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), RECOVERY_INTERVAL_S)
+
+
 async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
     from services.door.api import serve_door
     from services.door.auth import load_tokens
@@ -87,6 +106,8 @@ async def run(service: str, settings: Settings, *, port: int = 0) -> int:
             await _projections(rt, stop, port)
         elif service == "door":
             await _door(rt, stop, port)
+        elif service == "recovery":
+            await _recovery(rt, stop)
         else:
             raise ValueError(f"unknown service {service!r}")
     finally:

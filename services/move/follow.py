@@ -1,0 +1,114 @@
+"""How the claim follows the record (spec §7.5, §7.9 step 1, §7.8, §19 K4 and K8). Pure.
+
+Every move decision is one record CAS; the claim half is a second CAS that the record fully
+determines. Any actor that reads both objects and sees the record ahead writes the claim half: the
+actor that wrote the record, the other participant, or the console's recovery pass. The CAS is
+conditional on the op id and the prior claim state (the ledger's ETag), so racing writers cannot both
+succeed and neither can write anything the record did not decide.
+
+| record                      | claim before        | claim after                                        |
+|-----------------------------|---------------------|----------------------------------------------------|
+| flipped (``state=landing``) | moving              | landing/checking, exec none -> target, citing evidence |
+| committed                   | landing (not yet)   | phase committed + park-superseded, park-staging    |
+| rolling_back                | landing             | restoring (same op id), exec unchanged             |
+| cleared, ``last_move``      | the op's kind       | serving, exec = the executor the outcome names (K8) |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from events.claim import Claim, Obligation, Op, Scope
+from events.record import Record
+from hostmove import rules
+from services.ledger.ledger import NoChange, Refusal
+
+rules.register(
+    "exec-needs-evidence",
+    section="§19.2 K4; §7.5; claim C5",
+    meaning="the execution holder moves to the target only citing the source's stop evidence",
+    site="services/move/follow.py claim_half (flip)",
+)
+rules.register(
+    "release-waits-for-obligations",
+    section="§19.2 K8; §7.9 step 5; CC11",
+    meaning="the claim releases to serving only when no obligation of the op remains",
+    site="services/move/follow.py _release",
+)
+
+MOVE_KINDS = frozenset({"moving", "landing", "reverting", "restoring"})
+
+
+def staging_lane(host: str, op_id: str) -> str:
+    """The move's staging lane in the target region's bucket (§7.3)."""
+    return f"moves/{host}/{op_id}/"
+
+
+def _journal(op: Op, **entries: Any) -> dict[str, Any]:
+    journal = dict(op.journal)
+    journal.update(entries)
+    return journal
+
+
+def claim_half(claim: Claim | None, record: Record | None) -> Claim | NoChange | Refusal:
+    """The claim CAS the record has decided, or NoChange when the claim already follows it."""
+    if claim is None or record is None:
+        return NoChange("nothing to follow")
+    op = claim.op
+    move = record.move
+    if move is None:
+        return _release(claim, record)
+    if op.id != move.id:
+        return NoChange("the claim holds another operation")
+    if len(op.participants) != 2:
+        return Refusal("the move's claim does not name its source and target")
+    source, target = op.participants
+    if op.kind == "moving" and move.cut_phase == "flipped" and move.state == "landing":
+        if rules.on("exec-needs-evidence") and not move.source.evidence:
+            return Refusal("the flip names no stop evidence; execution does not move without it (K4)")
+        return msgspec.structs.replace(
+            claim,
+            op=msgspec.structs.replace(
+                op, kind="landing", phase="checking", exec=target,
+                journal=_journal(op, **{"evidence.source": move.source.evidence}),
+            ),
+        )
+    if op.kind == "landing" and move.state == "committed" and op.phase != "committed":
+        if claim.holder is None:
+            return Refusal("a committed move needs the claim's holder")
+        at = move.committed_at
+        obligations = (
+            Obligation(kind="park-superseded", op=move.id, region=move.from_ or "source", owner=source,
+                       generation=claim.holder.generation,
+                       scope=Scope(location=claim.holder.location, incarnation=claim.holder.incarnation,
+                                   evidence_at=at)),
+            Obligation(kind="park-staging", op=move.id, region=move.to, owner=target,
+                       scope=Scope(location=staging_lane(claim.host, move.id), evidence_at=at)),
+        )
+        new_obligations = claim.obligations + tuple(o for o in obligations if o not in claim.obligations)
+        return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="committed"),
+                                       obligations=new_obligations)
+    if op.kind == "landing" and move.state == "rolling_back" and move.rollback is not None:
+        return msgspec.structs.replace(
+            claim,
+            op=msgspec.structs.replace(op, kind="restoring", phase="",
+                                       journal=_journal(op, **{"rollback.id": move.rollback.id})),
+        )
+    return NoChange("the claim already follows the record")
+
+
+def _release(claim: Claim, record: Record) -> Claim | NoChange | Refusal:
+    """After the record's close: release the claim to ``serving`` (K8, record first, ruling M4)."""
+    last = record.last_move
+    op = claim.op
+    if last is None or op.id != last.id or op.kind not in MOVE_KINDS:
+        return NoChange("no closed move to release")
+    if rules.on("release-waits-for-obligations") and any(o.op == op.id for o in claim.obligations):
+        return NoChange("obligations of this move remain")
+    if len(op.participants) != 2:
+        return Refusal("the move's claim does not name its source and target")
+    source, target = op.participants
+    executor = target if last.outcome == "done" else source
+    return msgspec.structs.replace(claim, op=Op(kind="serving", exec=executor, participants=(executor,)))

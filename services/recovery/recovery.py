@@ -1,0 +1,139 @@
+"""The console's recovery pass (spec §7.5, §7.9 step 5, §7.13; issue 4 item 5).
+
+For every host with a record, with no memory of its own:
+
+- writes the claim half of any transition the record has decided (:func:`services.move.follow.claim_half`);
+- releases the claim from ``last_move`` after a crash between the two halves of a close (K8);
+- finishes a door request that crashed between its claim and record CASes (K2; digest D§13.1);
+- raises an alert, once per move and kind, for a deadline passed (``cut_deadline`` before the flip,
+  ``landing_deadline`` before the commit, ``release_deadline`` while rolling back).
+
+It decides nothing the record has not decided: every write is conditional on the claim it read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+from bus.facts import Fact, publish_alert
+from bus.log import EventLog, LogError
+from events.claim import Claim
+from events.durable import DurableValueError
+from events.record import Record
+from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
+from services.move.follow import claim_half
+from services.objstore.port import StoreError
+
+log = logging.getLogger("hostmove.recovery")
+
+RECORDS_PREFIX = "control/records/"
+
+
+@dataclass(frozen=True)
+class DeadlineAlert:
+    kind: str  # "cut-deadline", "landing-deadline", "release-deadline"
+    move_id: str
+    deadline: int
+
+
+def deadlines_passed(record: Record | None, now_ms: int) -> list[DeadlineAlert]:
+    """Deadlines the live move has passed without the step they bound. Pure."""
+    move = record.move if record is not None else None
+    if move is None:
+        return []
+    out = []
+    if move.cut_deadline is not None and now_ms > move.cut_deadline and move.state not in (
+        "committed", "rolling_back", "done", "rolled_back", "aborted"
+    ) and move.committed_at is None:
+        out.append(DeadlineAlert("cut-deadline", move.id, move.cut_deadline))
+    if move.landing_deadline is not None and now_ms > move.landing_deadline and move.state == "landing":
+        out.append(DeadlineAlert("landing-deadline", move.id, move.landing_deadline))
+    rb = move.rollback
+    if rb is not None and rb.release_deadline is not None and now_ms > rb.release_deadline and (
+        move.state == "rolling_back" and rb.target_parked_at is None
+    ):
+        out.append(DeadlineAlert("release-deadline", move.id, rb.release_deadline))
+    return out
+
+
+@dataclass
+class PassReport:
+    hosts: int = 0
+    claim_halves: list[str] = field(default_factory=list)
+    records_finished: list[str] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class RecoveryPass:
+    def __init__(self, ledger: Ledger, events: EventLog) -> None:
+        self.ledger = ledger
+        self.events = events
+        self._alerted: set[tuple[str, str]] = set()
+
+    async def hosts(self) -> list[str]:
+        keys = await self.ledger.store.list_keys(self.ledger.bucket, RECORDS_PREFIX)
+        claims = await self.ledger.store.list_keys(self.ledger.bucket, "control/hosts/")
+        names = {unquote(k[len(RECORDS_PREFIX):-5]) for k in keys if k.endswith(".json")}
+        names |= {unquote(k[len("control/hosts/"):-5]) for k in claims if k.endswith(".json")}
+        return sorted(n for n in names if "/" not in n)
+
+    async def run_once(self) -> PassReport:
+        report = PassReport()
+        for host in await self.hosts():
+            report.hosts += 1
+            try:
+                await self._host(host, report)
+            except (DurableValueError, StoreError, LogError) as exc:
+                # C6: a read error never acts. Report it and go on with the other hosts.
+                report.errors.append(f"{host}: {exc}")
+                log.error("recovery skipped %s: %s", host, exc)
+        return report
+
+    async def _host(self, host: str, report: PassReport) -> None:
+        record = (await self.ledger.read_record(host)).state
+        claim = (await self.ledger.read_claim(host)).state
+        if claim is not None and claim.op.kind == "moving" and _record_lacks_move(record, claim):
+            await self._finish_door_record(host, claim, report)
+            record = (await self.ledger.read_record(host)).state
+        if claim is not None and record is not None and not isinstance(claim_half(claim, record), NoChange):
+            decided = record
+
+            def follow(cur: Claim | None) -> Claim | NoChange | Refusal:
+                return claim_half(cur, decided)
+
+            out = await self.ledger.transition("claim", host, "follow-record", follow, causation="recovery")
+            if isinstance(out, Committed):
+                report.claim_halves.append(f"{host}: {out.state.op.kind}/{out.state.op.phase}")
+            elif isinstance(out, Refusal):
+                report.errors.append(f"{host}: {out.reason}")
+        for alert in deadlines_passed(record, self.ledger.clock.now_ms()):
+            if (alert.move_id, alert.kind) in self._alerted:
+                continue
+            fact = Fact(kind=alert.kind, subject=host, id=f"{alert.move_id}:{alert.kind}", actor=self.ledger.actor,
+                        at=self.ledger.clock.now_ms(), payload={"move": alert.move_id, "deadline": alert.deadline})
+            await publish_alert(self.events, fact)
+            self._alerted.add((alert.move_id, alert.kind))
+            report.alerts.append(f"{host}: {alert.kind}")
+
+    async def _finish_door_record(self, host: str, claim: Claim, report: PassReport) -> None:
+        from services.door.decide import decide_move_record
+
+        now = self.ledger.clock.now_ms()
+
+        def finish(cur: Record | None) -> Record | NoChange | Refusal:
+            return decide_move_record(cur, host=host, claim=claim, now_ms=now)
+
+        out = await self.ledger.transition("record", host, "move-requested", finish, causation="recovery")
+        if isinstance(out, Committed):
+            report.records_finished.append(host)
+
+
+def _record_lacks_move(record: Record | None, claim: Claim) -> bool:
+    if record is None:
+        return True
+    if record.move is not None and record.move.id == claim.op.id:
+        return False
+    return not (record.last_move is not None and record.last_move.id == claim.op.id)
