@@ -3,8 +3,9 @@
 
 Every admission is **cold** while ruling P7 stands (§0.5): a new generation, a new stamp unless
 ``keep_stamp``, an admissions record whose predecessor is the **last record** (never the holder
-fields), and ``writes_lost`` declared for the predecessor when the admission's coverage is ``""``
-and the predecessor had a writer box (there are no clean-close certificates under P7).
+fields), and ``writes_lost`` declared for the predecessor when the admission's coverage is ``""``,
+no clean-close certificate covers the predecessor session and the predecessor had a writer box
+(D§6 "writes_lost only for coverage "" ∧ no certificate ∧ a predecessor with a box").
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class AdmitRequest:
     keep_stamp: bool = False
     coverage: str = ""  # "sealed", "clean-return" or ""
     remote_max_txid: int = 0  # the predecessor's newest uploaded TXID in this region
+    predecessor_certified: bool = False  # a clean-close certificate covers the predecessor session
     additional_writes_lost: tuple[WriterRef, ...] = field(default_factory=tuple)
 
 
@@ -76,7 +78,7 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
     )
     predecessor_region = last.region if last is not None else (req.region if holder.writer_box else "")
     writes_lost = None
-    if req.coverage == "" and predecessor.box:
+    if req.coverage == "" and not req.predecessor_certified and predecessor.box:
         writes_lost = WriterRef(box=predecessor.box, session=predecessor.session,
                                 generation=predecessor.generation, remote_max_txid=req.remote_max_txid)
     declared = {(w.box, w.session) for w in req.additional_writes_lost}

@@ -1,0 +1,431 @@
+"""The activator: every start of an instance on a box (spec §5.1 step 9, §7.14; digest D§6 "Start order").
+
+A start is, in this order:
+
+1. under the host guard (an exclusive ``flock`` plus a fresh claim read, §6.4): the box must be the
+   claim's ``op.exec`` while the claim is ``serving``, the route must not be held or failed, and the
+   box must be able to spawn strictly (§5.3);
+2. **AdmitWriter**, one claim CAS before the app starts: cold (ruling P7), into a fresh generation,
+   declaring the predecessor's ``writes_lost`` unless a clean-close certificate covers it;
+3. purge the local database (error-returning); restore this region's baseline (the newest generation
+   on the admissions chain that holds objects; none: an empty start); write ``<host>.gen``;
+4. activate the new stamp in the box's stamp record; start the app in its cgroup leaf (strict);
+   readiness (the readiness path answers 200 to 399 within the window);
+5. the first upload, then ``generation.json`` (conditional, §5.1 markers), then replication opens.
+
+Failed starts follow the retry policy: five attempts under one session, the waits doubling from one
+second; a serving wake's fifth failure marks the route ``failed`` (no new session until an operator
+clears it). A new owner process is a new session: :meth:`Activator.adopt_running` stops an app it
+finds running and the next wake re-admits.
+
+On a stop, the activator kills and drains the tree, runs the final sync and, when every frame the app
+committed is uploaded, writes the session's **clean-close certificate** ``<location>g-<gen>/closed/
+<session>.json`` (If-None-Match). The next admission reads it: a certified predecessor needs no
+``writes_lost``. Ruling P7 keeps certificates off in the Go system because Litestream's clean close
+was unsafe (#234); this replicator's final sync is acknowledged PUTs of captured WAL frames after the
+tree is empty, and the certificate is guarded by the rule ``clean-close-certificate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from events.base import Durable, Ident, Millis, canonical, decode
+from events.claim import Claim
+from hostmove import rules
+from hostmove.ports import Clock, Random
+from services.box.admission import AdmitRequest, decide_admit_writer
+from services.box.guard import Guarded, host_guard
+from services.box.markers import (
+    GenerationMarker,
+    publish_generation_marker,
+    read_generation_marker,
+    write_local_gen,
+)
+from services.box.proctree import ProcessTree, Spawned, StrictRefused
+from services.box.registry import Registry, is_held
+from services.box.replica.layout import GenerationScope, list_generation
+from services.box.replica.planner import replication_position
+from services.box.replica.replicator import Replicator
+from services.box.replica.restore import RestoreRefused, restore_generation
+from services.box.stamps import StampBook
+from services.ledger.ledger import Committed, Ledger, Refusal
+from services.objstore.port import Got, Lost, ObjectStore
+
+log = logging.getLogger("hostmove.activator")
+
+rules.register(
+    "clean-close-certificate",
+    section="§5.1 step 9 (certificate), D§6; deviation from ruling P7 stated in the module docstring",
+    meaning="a predecessor session counts as certified only with a certificate whose max_txid is the remote max",
+    site="services/box/activator.py Activator._certified",
+)
+rules.register(
+    "start-retry-marks-failed",
+    section="§5.1 step 9 retry policy; D§6",
+    meaning="a serving wake's fifth failed start marks the route failed",
+    site="services/box/activator.py Activator.wake",
+)
+
+
+class Certificate(Durable, frozen=True):
+    """``closed/<session>.json``: every frame the session committed is uploaded (D§6 "Certificate")."""
+
+    __durable_root__ = True
+
+    session: int
+    box: Ident
+    generation: str
+    max_txid: int
+    closed_at: Millis
+
+
+def certificate_key(location: str, generation: str, session: int) -> str:
+    return f"{GenerationScope(location, generation).prefix}closed/{session}.json"
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    """How to run an instance: ``argv`` and the environment for ``(host, data_dir, port, region)``."""
+
+    argv: Sequence[str]
+    env: Callable[[str, Path, int, str], Mapping[str, str]]
+    ready_path: str = "/ready"
+    ready_within_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class StartPolicy:
+    attempts: int = 5
+    first_backoff_s: float = 1.0
+    sync_interval_s: float = 1.0
+    drain_within_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Started:
+    host: str
+    session: int
+    generation: str
+    baseline: str | None  # the generation restored from (None: an empty start)
+    restored_txid: int
+    port: int
+    pid: int
+    writes_lost: bool
+
+
+@dataclass(frozen=True)
+class StartRefused:
+    """Nothing was started and nothing changed; ``reason`` is in the operator's words."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    host: str
+    reason: str
+    attempts: int
+    marked_failed: bool
+
+
+@dataclass
+class _Running:
+    spawned: Spawned
+    port: int
+    session: int
+    generation: str
+    location: str
+    replicator: Replicator
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class BoxContext:
+    """What a box's activator holds: its identity, its ports and its local stores."""
+
+    label: str
+    region: str
+    box_dir: Path
+    data_bucket: str
+    data_store: ObjectStore
+    ledger: Ledger
+    tree: ProcessTree
+    registry: Registry
+    stamps: StampBook
+    clock: Clock
+    rng: Random
+
+    @property
+    def data_dir(self) -> Path:
+        return self.box_dir / "data"
+
+    def db_path(self, host: str) -> Path:
+        return self.data_dir / f"{host}.db"
+
+    def files_dir(self, host: str) -> Path:
+        return self.data_dir / host
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def purge_local_db(db_path: Path) -> None:
+    """Remove the local database, its WAL, SHM and ``.gen`` (step 3: error-returning)."""
+    for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+class Activator:
+    def __init__(self, ctx: BoxContext, app: AppSpec, policy: StartPolicy | None = None) -> None:
+        self.ctx = ctx
+        self.app = app
+        self.policy = policy or StartPolicy()
+        self.running: dict[str, _Running] = {}
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    async def _read_claim(self, host: str) -> Claim | None:
+        return (await self.ctx.ledger.read_claim(host)).state
+
+    def _refusal(self, claim: Claim | None, host: str) -> str | None:
+        """Why this box may not start ``host`` now (the decide step), or None."""
+        if claim is None or claim.holder is None:
+            return f"{host} has no claim holder; nothing may start"
+        if claim.op.kind != "serving":
+            return f"{host} is {claim.op.kind}; only a serving host is woken here"
+        if claim.op.exec != self.ctx.label:
+            return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
+        row = self.ctx.registry.get(host)
+        if row is not None and is_held(row.status):
+            return f"{host} is held ({row.status}) by operation {row.hold_op}"
+        if row is not None and row.status == "failed":
+            return f"{host} failed to start and waits for an operator to clear it"
+        ok, why = self.ctx.tree.strict_available()
+        if not ok:
+            return f"this box cannot spawn strictly: {why}"
+        return None
+
+    async def _baseline(self, claim: Claim) -> tuple[str | None, int]:
+        """This region's baseline: the newest generation on the admissions chain holding objects."""
+        assert claim.holder is not None
+        chain = [claim.holder.generation]
+        for adm in reversed(claim.holder.admissions):
+            for gen in (adm.generation, adm.predecessor.generation if adm.predecessor else None):
+                if gen is not None and gen not in chain:
+                    chain.append(gen)
+        for gen in chain:
+            files = await list_generation(self.ctx.data_store, self.ctx.data_bucket,
+                                          GenerationScope(claim.holder.location, gen))
+            if files:
+                return gen, max(f.max_txid for f in files)
+        return None, 0
+
+    async def _certified(self, claim: Claim, baseline: str | None, remote_max: int) -> bool:
+        """Does a clean-close certificate cover the predecessor session (the last admission)?"""
+        assert claim.holder is not None
+        last = claim.holder.admissions[-1] if claim.holder.admissions else None
+        if last is None or baseline is None or last.generation != baseline:
+            return False
+        got = await self.ctx.data_store.get(
+            self.ctx.data_bucket, certificate_key(claim.holder.location, last.generation, last.session))
+        if not isinstance(got, Got):
+            return False
+        cert = decode(got.body, Certificate)
+        if not rules.on("clean-close-certificate"):
+            return True
+        return cert.session == last.session and cert.box == last.box and cert.max_txid == remote_max
+
+    # -- the start --------------------------------------------------------------------------------
+
+    async def wake(self, host: str) -> Started | StartRefused | StartFailed:
+        """Start ``host`` on this box: admit, then up to five attempts under that session."""
+        if host in self.running:
+            return StartRefused(host, f"{host} is already running on this box")
+        async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
+            claim = g.claim
+            reason = self._refusal(claim, host)
+            if reason is not None:
+                return StartRefused(host, reason)
+            assert claim is not None and claim.holder is not None
+            baseline, remote_max = await self._baseline(claim)
+            certified = await self._certified(claim, baseline, remote_max)
+            generation = "w" + self.ctx.rng.token_bytes(8).hex()
+            request = AdmitRequest(
+                box=self.ctx.label, region=self.ctx.region, observed_op_id=claim.op.id,
+                observed_phase=claim.op.phase, observed_kind=claim.op.kind,
+                observed_session=claim.holder.session, observed_generation=claim.holder.generation,
+                new_generation=generation, remote_max_txid=remote_max, predecessor_certified=certified,
+            )
+            admitted = await self.ctx.ledger.transition(
+                "claim", host, "admit-writer", lambda cur: decide_admit_writer(cur, request),
+                causation=f"wake:{self.ctx.label}",
+            )
+            if not isinstance(admitted, Committed):
+                why = admitted.reason if isinstance(admitted, Refusal) else "the claim changed; wake again"
+                return StartRefused(host, why)
+            g.claim = admitted.state
+            self.ctx.stamps.init_record(g, self.ctx.label)
+            return await self._attempts(g, admitted.state, baseline)
+
+    async def _attempts(self, g: Guarded, claim: Claim, baseline: str | None) -> Started | StartFailed:
+        assert claim.holder is not None
+        host = g.host
+        last_error = ""
+        for attempt in range(1, self.policy.attempts + 1):
+            try:
+                return await self._start_once(claim, baseline)
+            except (RestoreRefused, StrictRefused, OSError, TimeoutError, aiohttp.ClientError, StartError) as exc:
+                last_error = str(exc) or type(exc).__name__
+                log.warning("start %d of %s failed: %s", attempt, host, last_error)
+                await self._stop_tree(host)
+                if attempt < self.policy.attempts:
+                    await self.ctx.clock.sleep(self.policy.first_backoff_s * 2 ** (attempt - 1))
+        marked = False
+        if rules.on("start-retry-marks-failed"):
+            marked = self.ctx.registry.set_status(host, "failed")
+        return StartFailed(host, last_error, self.policy.attempts, marked)
+
+    async def _start_once(self, claim: Claim, baseline: str | None) -> Started:
+        holder = claim.holder
+        assert holder is not None
+        host, ctx = claim.host, self.ctx
+        db = ctx.db_path(host)
+        ctx.data_dir.mkdir(parents=True, exist_ok=True)
+        purge_local_db(db)
+        restored_txid = 0
+        if baseline is not None:
+            result = await restore_generation(ctx.data_store, ctx.data_bucket, holder.location, baseline, db)
+            restored_txid = result.txid
+        write_local_gen(db, holder.generation)
+        port = _free_port()
+        logs = ctx.box_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.app.env(host, ctx.data_dir, port, ctx.region)}
+        spawned = await asyncio.to_thread(
+            ctx.tree.spawn_strict, host, list(self.app.argv), env=env, cwd=str(ctx.box_dir),
+            stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
+        )
+        await self._ready(port, spawned, logs / f"{host}.err")
+        replicator = await Replicator.open(ctx.data_store, ctx.data_bucket, holder.location, holder.generation, db,
+                                           ctx.clock)
+        try:
+            await replicator.sync()
+            current = await read_generation_marker(ctx.data_store, ctx.data_bucket, holder.location)
+            marker = GenerationMarker(op=holder.generation, incarnation=holder.incarnation, host=host,
+                                      box=ctx.label, installed_at=ctx.clock.now_ms(),
+                                      snapshot_txid=restored_txid)
+            published = await publish_generation_marker(ctx.data_store, ctx.data_bucket, holder.location, marker,
+                                                        current.etag)
+            if isinstance(published, Lost):
+                raise StartError("generation.json changed under this start; the claim is re-read on the next wake")
+        except BaseException:
+            await replicator.close()
+            raise
+        running = _Running(spawned, port, holder.session, holder.generation, holder.location, replicator)
+        running.task = asyncio.create_task(replicator.run(running.stop, interval_s=self.policy.sync_interval_s))
+        self.running[host] = running
+        writes_lost = bool(holder.admissions and holder.admissions[-1].writes_lost is not None)
+        return Started(host, holder.session, holder.generation, baseline, restored_txid, port, spawned.pid,
+                       writes_lost)
+
+    async def _ready(self, port: int, spawned: Spawned, stderr: Path) -> None:
+        """The readiness path answers 200 to 399 within the window (S1, §7.7). An app that exits
+        fails the attempt at once, with the last line it wrote."""
+        deadline = self.ctx.clock.monotonic() + self.app.ready_within_s
+        url = f"http://127.0.0.1:{port}{self.app.ready_path}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+            while True:
+                code = spawned.process.poll()
+                if code is not None:
+                    tail = stderr.read_text(errors="replace").strip().splitlines()[-1:] if stderr.exists() else []
+                    raise StartError(f"the instance exited with code {code} before it was ready"
+                                     + (f": {tail[0][:300]}" if tail else ""))
+                try:
+                    async with http.get(url) as resp:
+                        if 200 <= resp.status < 400:
+                            return
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+                if self.ctx.clock.monotonic() > deadline:
+                    raise StartError(f"the instance did not answer {self.app.ready_path} within "
+                                     f"{self.app.ready_within_s:.0f} s")
+                await self.ctx.clock.sleep(0.1)
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    async def _stop_tree(self, host: str) -> None:
+        drain = await self.ctx.tree.reopen_and_drain(host, within_s=self.policy.drain_within_s)
+        if not drain.drained:
+            raise StartError(f"the process tree of {host} did not drain: {drain.error or drain.remaining}")
+
+    async def stop(self, host: str) -> Certificate | None:
+        """Stop the instance, run the final sync and certify the session when nothing is left behind."""
+        running = self.running.pop(host, None)
+        await self._stop_tree(host)
+        if running is None:
+            return None
+        running.stop.set()
+        if running.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.task
+        rep = running.replicator
+        try:
+            await rep.sync()
+            await rep.checkpoint("TRUNCATE")
+            final = await rep.sync()
+            clean = final is None and not rep.pending
+        finally:
+            await rep.close()
+        if not clean:
+            return None
+        cert = Certificate(session=running.session, box=self.ctx.label, generation=running.generation,
+                           max_txid=rep.position, closed_at=self.ctx.clock.now_ms())
+        key = certificate_key(running.location, running.generation, running.session)
+        await self.ctx.data_store.put(self.ctx.data_bucket, key, canonical(cert), if_none_match=True)
+        return cert
+
+    async def adopt_running(self) -> list[str]:
+        """A new owner process is a new session (§5.1 step 9): stop every app found running."""
+        stopped = []
+        for row in self.ctx.registry.rows():
+            if self.ctx.tree.populated(row.host) and row.host not in self.running:
+                await self._stop_tree(row.host)
+                stopped.append(row.host)
+        return stopped
+
+    async def close(self) -> None:
+        for host in list(self.running):
+            with contextlib.suppress(Exception):
+                await self.stop(host)
+
+
+class StartError(Exception):
+    """A start step failed; the attempt is counted and retried."""
+
+
+def remove_box_data(ctx: BoxContext) -> None:
+    """Lose the disk (tests and the simulation): the box's data directory is gone."""
+    shutil.rmtree(ctx.data_dir, ignore_errors=True)
+
+
+__all__ = [
+    "Activator", "AppSpec", "BoxContext", "Certificate", "StartFailed", "StartPolicy", "StartRefused", "Started",
+    "certificate_key", "purge_local_db", "replication_position",
+]
