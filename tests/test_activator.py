@@ -235,3 +235,36 @@ async def test_five_failed_starts_mark_the_route_failed(world: World, unique: Ca
     again = await world.activator(a_ctx).wake(host)
     assert isinstance(again, StartRefused) and "operator" in again.reason
     assert not a_ctx.tree.populated(host)
+
+
+async def test_the_start_check_refuses_files_of_another_incarnation(world: World, unique: Callable[[str], str]) -> None:
+    from services.box.markers import write_files_gen
+
+    a_ctx = world.box("ie-h")
+    host = await setup_host(world, unique, a_ctx)
+    a_ctx.files_dir(host).mkdir(parents=True)
+    write_files_gen(a_ctx.files_dir(host), "", "ef" * 32)  # files left by another incarnation
+    out = await world.activator(a_ctx).wake(host)
+    assert isinstance(out, StartFailed) and "another incarnation" in out.reason and out.attempts == 1
+    assert not out.marked_failed and not a_ctx.tree.populated(host), "refused before any spawn"
+
+
+async def test_a_new_owner_process_stops_a_running_app_and_readmits(world: World, unique: Callable[[str], str]) -> None:
+    a_ctx = world.box("ie-i")
+    host = await setup_host(world, unique, a_ctx)
+    first = await world.activator(a_ctx).wake(host)
+    assert isinstance(first, Started)
+    # the agent process dies; a new one starts with no memory of the app it left running
+    old = world.activators.pop()
+    for running in old.running.values():
+        running.stop.set()
+        if running.task is not None:
+            await running.task
+        await running.replicator.close()
+    old.running.clear()
+    successor = world.activator(a_ctx)
+    assert a_ctx.tree.populated(host)
+    assert await successor.adopt_running() == [host]
+    assert not a_ctx.tree.populated(host)
+    second = await successor.wake(host)
+    assert isinstance(second, Started) and second.session > first.session, "a new owner is a new session"

@@ -48,8 +48,14 @@ from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.guard import Guarded, host_guard
 from services.box.markers import (
     GenerationMarker,
+    Refused,
+    RestoreCold,
     publish_generation_marker,
+    read_files_gen,
     read_generation_marker,
+    read_local_gen,
+    start_check,
+    write_files_gen,
     write_local_gen,
 )
 from services.box.proctree import ProcessTree, Spawned, StrictRefused
@@ -290,7 +296,14 @@ class Activator:
         last_error = ""
         for attempt in range(1, self.policy.attempts + 1):
             try:
-                return await self._start_once(claim, baseline)
+                started = await self._start_once(claim, baseline)
+                files_dir = self.ctx.files_dir(host)
+                if files_dir.exists():  # the carried files now belong to this installation (retag)
+                    write_files_gen(files_dir, claim.holder.generation, claim.holder.incarnation)
+                return started
+            except StartCheckRefused as exc:
+                await self._stop_tree(host)
+                return StartFailed(host, f"the start check refused: {exc}", attempt, False)
             except (RestoreRefused, StrictRefused, OSError, TimeoutError, aiohttp.ClientError, StartError) as exc:
                 last_error = str(exc) or type(exc).__name__
                 log.warning("start %d of %s failed: %s", attempt, host, last_error)
@@ -314,6 +327,7 @@ class Activator:
             result = await restore_generation(ctx.data_store, ctx.data_bucket, holder.location, baseline, db)
             restored_txid = result.txid
         write_local_gen(db, holder.generation)
+        await self._start_check(claim)
         port = _free_port()
         logs = ctx.box_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -344,6 +358,20 @@ class Activator:
         writes_lost = bool(holder.admissions and holder.admissions[-1].writes_lost is not None)
         return Started(host, holder.session, holder.generation, baseline, restored_txid, port, spawned.pid,
                        writes_lost)
+
+    async def _start_check(self, claim: Claim) -> None:
+        """§5.1 "The start check" before every spawn (INV-4): the markers must name what the claim expects."""
+        holder = claim.holder
+        assert holder is not None
+        ctx = self.ctx
+        marker = await read_generation_marker(ctx.data_store, ctx.data_bucket, holder.location)
+        files_dir = ctx.files_dir(claim.host)
+        verdict = start_check(claim, marker.marker, read_files_gen(files_dir) if files_dir.exists() else None,
+                              files_dir.exists(), read_local_gen(ctx.db_path(claim.host)))
+        if isinstance(verdict, Refused):
+            raise StartCheckRefused(verdict.reason)
+        if isinstance(verdict, RestoreCold) and ctx.db_path(claim.host).exists():
+            raise StartError(f"the local database does not match the claim after the restore: {verdict.reason}")
 
     async def _ready(self, port: int, spawned: Spawned, stderr: Path) -> None:
         """The readiness path answers 200 to 399 within the window (S1, §7.7). An app that exits
@@ -418,6 +446,10 @@ class Activator:
 
 class StartError(Exception):
     """A start step failed; the attempt is counted and retried."""
+
+
+class StartCheckRefused(Exception):
+    """The markers do not name what the claim expects (§5.1 start check): refuse and page, never retry."""
 
 
 def remove_box_data(ctx: BoxContext) -> None:
