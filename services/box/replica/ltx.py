@@ -16,12 +16,13 @@ Layout (big-endian)::
 
     header   64 bytes   magic "HMLT", version, flags, level, page_size, commit, page_count,
                         min_txid, max_txid, timestamp_ms, wal_offset, body_len
-    body     body_len   page records (u32 page number + page image), ascending page numbers,
-                        one zstd frame when FLAG_ZSTD is set, raw otherwise
+    body     body_len   the page numbers (u32 each, ascending), then the page images in the
+                        same order; one zstd frame when FLAG_ZSTD is set, raw otherwise
     trailer  8 bytes    CRC-64 of header + body
 
 ``FLAG_FULL`` marks a file that holds every page ``1..commit`` (a snapshot, an anchor, the first
-file of a generation, a resync): it can be applied over nothing.
+file of a generation, a resync): it can be applied over nothing, and its image block *is* the
+database, written in one piece by a restore.
 
 **CRC-64 choice.** CRC-64/XZ: the ECMA-182 polynomial 0x42F0E1EBA9EA3693, reflected, initial value
 and final XOR all ones (also known as CRC-64/GO-ECMA; check value ``0x995DC9BBDF1939FA`` over
@@ -36,6 +37,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import struct
+import sys
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +60,6 @@ WAL_HEADER_SIZE = 32
 _HEADER = struct.Struct(">4sHHIIIIQQQQQ")
 HEADER_SIZE = _HEADER.size
 TRAILER_SIZE = 8
-_PGNO = struct.Struct(">I")
 _MAX_U32 = 0xFFFFFFFF
 ZSTD_LEVEL = 1
 
@@ -110,11 +112,13 @@ _LZMA_CRC64 = _load_liblzma()
 CRC64_IMPLEMENTATION = "liblzma" if _LZMA_CRC64 is not None else "python"
 
 
-def crc64(data: bytes, crc: int = 0) -> int:
-    """CRC-64/XZ of ``data``; pass an earlier result as ``crc`` to continue it over more bytes."""
+def crc64(data: bytes, crc: int = 0, *, length: int | None = None) -> int:
+    """CRC-64/XZ of ``data`` (of its first ``length`` bytes when given, without copying); pass an
+    earlier result as ``crc`` to continue it over more bytes."""
+    n = len(data) if length is None else length
     if _LZMA_CRC64 is not None:
-        return int(_LZMA_CRC64(bytes(data), len(data), crc))
-    return crc64_py(bytes(data), crc)
+        return int(_LZMA_CRC64(data if type(data) is bytes else bytes(data), n, crc))
+    return crc64_py(bytes(memoryview(data)[:n]), crc)
 
 
 def format_crc(value: int) -> str:
@@ -182,7 +186,7 @@ def encode(
     max_txid: int,
     page_size: int,
     commit: int,
-    pages: Iterable[tuple[int, bytes]],
+    pages: Iterable[tuple[int, bytes | memoryview]],
     timestamp_ms: int,
     full: bool = False,
     wal_offset: int = 0,
@@ -196,7 +200,7 @@ def encode(
     if not 0 <= commit <= _MAX_U32:
         raise LtxError("format", f"commit {commit} is out of range")
     ordered = sorted(pages, key=lambda item: item[0])
-    parts: list[bytes] = []
+    numbers = array("I")
     last = 0
     for pgno, image in ordered:
         if pgno <= last:
@@ -205,12 +209,41 @@ def encode(
             raise LtxError("format", f"page {pgno} lies beyond the database size of {commit} pages")
         if len(image) != page_size:
             raise LtxError("format", f"page {pgno} is {len(image)} bytes, not the page size {page_size}")
-        parts.append(_PGNO.pack(pgno))
-        parts.append(image)
+        numbers.append(pgno)
         last = pgno
     if full and len(ordered) != commit:
         raise LtxError("format", f"a full file must hold every page 1..{commit}, it holds {len(ordered)}")
-    raw = b"".join(parts)
+    return _assemble(level, min_txid, max_txid, page_size, commit, numbers, b"".join(img for _, img in ordered),
+                     timestamp_ms, full, wal_offset, compress)
+
+
+def encode_image(
+    image: bytes | memoryview,
+    *,
+    level: int,
+    min_txid: int,
+    max_txid: int,
+    page_size: int,
+    timestamp_ms: int,
+    wal_offset: int = 0,
+    compress: bool = True,
+) -> bytes:
+    """Encode a whole database image (pages ``1..n`` in order) as one full file, without copying
+    it page by page (snapshots, anchors, first files, resyncs)."""
+    _check_range(level, min_txid, max_txid)
+    _check_page_size(page_size)
+    if len(image) % page_size:
+        raise LtxError("format", f"an image of {len(image)} bytes is not a whole number of {page_size}-byte pages")
+    count = len(image) // page_size
+    return _assemble(level, min_txid, max_txid, page_size, count, array("I", range(1, count + 1)), image,
+                     timestamp_ms, True, wal_offset, compress)
+
+
+def _assemble(level: int, min_txid: int, max_txid: int, page_size: int, commit: int, numbers: array[int],
+              images: bytes | memoryview, timestamp_ms: int, full: bool, wal_offset: int, compress: bool) -> bytes:
+    if sys.byteorder == "little":
+        numbers.byteswap()
+    raw = numbers.tobytes() + bytes(images)
     flags = FLAG_FULL if full else 0
     if compress:
         body = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False).compress(raw)
@@ -218,7 +251,7 @@ def encode(
     else:
         body = raw
     header = _HEADER.pack(
-        MAGIC, VERSION, flags, level, page_size, commit, len(ordered),
+        MAGIC, VERSION, flags, level, page_size, commit, len(numbers),
         min_txid, max_txid, timestamp_ms, wal_offset, len(body),
     )
     crc = crc64(body, crc64(header))
@@ -254,36 +287,93 @@ def verify(data: bytes) -> Header:
     if len(data) < HEADER_SIZE + TRAILER_SIZE:
         raise LtxError("format", f"file is {len(data)} bytes, shorter than a header and a trailer")
     want = stored_crc(data)
-    got = crc64(data[:-TRAILER_SIZE])
+    got = crc64(data, length=len(data) - TRAILER_SIZE)
     if got != want:
         raise LtxError("checksum", f"CRC-64 mismatch: trailer says {want:016x}, content gives {got:016x}")
     return read_header(data)
 
 
-def iter_pages(header: Header, data: bytes) -> Iterator[tuple[int, bytes]]:
-    """Pages of a file already passed through :func:`verify`, ascending, with the format checks."""
-    body = data[HEADER_SIZE:-TRAILER_SIZE]
-    record = 4 + header.page_size
-    expected = header.page_count * record
+def page_block(header: Header, data: bytes) -> tuple[array[int], memoryview]:
+    """The page numbers and the contiguous image block of a file already passed through
+    :func:`verify`, with the format checks (ascending, within ``commit``, whole pages)."""
+    body = memoryview(data)[HEADER_SIZE:-TRAILER_SIZE]
+    expected = header.page_count * (4 + header.page_size)
+    raw: bytes | memoryview = body
     if header.compressed:
         try:
             raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=expected)
         except zstandard.ZstdError as exc:
             raise LtxError("format", f"page data does not decompress: {exc}") from None
-    else:
-        raw = body
     if len(raw) != expected:
         raise LtxError("format", f"page data is {len(raw)} bytes, {header.page_count} pages need {expected}")
     if header.full and header.page_count != header.commit:
         raise LtxError("format", f"full file holds {header.page_count} pages, its database has {header.commit}")
-    view = memoryview(raw)
+    numbers = array("I")
+    numbers.frombytes(bytes(raw[: 4 * header.page_count]))
+    if sys.byteorder == "little":
+        numbers.byteswap()
     last = 0
-    for offset in range(0, expected, record):
-        (pgno,) = _PGNO.unpack_from(raw, offset)
+    for pgno in numbers:
         if pgno <= last or pgno > header.commit:
             raise LtxError("format", f"page number {pgno} is out of order or beyond {header.commit} pages")
         last = pgno
-        yield pgno, bytes(view[offset + 4 : offset + record])
+    return numbers, memoryview(raw)[4 * header.page_count :]
+
+
+def stream_full_image(header: Header, data: bytes, chunk_pages: int = 256) -> Iterator[memoryview]:
+    """The image block of a verified **full** file, in order, in chunks of whole pages, decompressed
+    as it goes (no buffer the size of the database): what a restore writes at offset 0."""
+    if not header.full:
+        raise LtxError("format", "only a full file streams as a database image")
+    body = memoryview(data)[HEADER_SIZE:-TRAILER_SIZE]
+    count = header.page_count
+    if not header.compressed:
+        if len(body) != count * (4 + header.page_size):
+            raise LtxError("format", f"page data is {len(body)} bytes, {count} pages need more")
+        _check_numbers(body[: 4 * count], header)
+        yield body[4 * count :]
+        return
+    reader = zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=False)
+    _check_numbers(_read_exactly(reader, 4 * count), header)
+    want = count * header.page_size
+    step = chunk_pages * header.page_size
+    buf = bytearray(step)
+    got = 0
+    while got < want:
+        n = reader.readinto(memoryview(buf)[: min(step, want - got)])
+        if n <= 0:
+            raise LtxError("format", f"page data ends after {got} of {want} bytes")
+        got += n
+        yield memoryview(buf)[:n]
+    if reader.read(1):
+        raise LtxError("format", "page data runs past its pages")
+
+
+def _read_exactly(reader: Any, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = reader.read(n - len(out))
+        if not chunk:
+            raise LtxError("format", "page data ends inside the page numbers")
+        out += chunk
+    return bytes(out)
+
+
+def _check_numbers(raw: bytes | memoryview, header: Header) -> None:
+    numbers = array("I")
+    numbers.frombytes(bytes(raw))
+    if sys.byteorder == "little":
+        numbers.byteswap()
+    if numbers != array("I", range(1, header.commit + 1)):
+        raise LtxError("format", f"a full file must number its pages 1..{header.commit} in order")
+
+
+def iter_pages(header: Header, data: bytes) -> Iterator[tuple[int, bytes]]:
+    """Pages of a file already passed through :func:`verify`, ascending, as bytes."""
+    numbers, images = page_block(header, data)
+    ps = header.page_size
+    for i, pgno in enumerate(numbers):
+        yield pgno, bytes(images[i * ps : (i + 1) * ps])
 
 
 def decode(data: bytes) -> LtxFile:

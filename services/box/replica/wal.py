@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 from dataclasses import dataclass
 
 WAL_MAGIC_LE = 0x377F0682
@@ -115,33 +116,33 @@ def read_wal_header(fd: int) -> WalHeader | None:
     return WalHeader(page_size, seq, salts, (c1, c2), big)
 
 
-def read_shm_header(path: str, attempts: int = 100) -> ShmHeader | None:
-    """A consistent wal-index header (both copies equal, checksum valid), or ``None`` when the
-    ``-shm`` file does not exist or was never initialized. Retries a header caught mid-update."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        for _ in range(attempts):
-            raw = os.pread(fd, 2 * _SHM_HDR_SIZE + 4, 0)
-            if len(raw) < 2 * _SHM_HDR_SIZE + 4:
-                return None
-            first, second = raw[:_SHM_HDR_SIZE], raw[_SHM_HDR_SIZE : 2 * _SHM_HDR_SIZE]
-            if first != second:
-                continue
+def read_shm_header(fd: int, deadline_s: float = 2.0) -> ShmHeader | None:
+    """A consistent wal-index header (both copies equal, checksum valid) from an open ``-shm``
+    descriptor, or ``None`` when it was never initialized. Retries a header caught mid-update.
+
+    The descriptor must stay open for as long as this process has SQLite connections to the
+    database: POSIX record locks belong to the process, and closing *any* descriptor of the file
+    drops every lock the process holds on it, SQLite's read marks included."""
+    give_up = time.monotonic() + deadline_s
+    pause = 0.00001
+    while True:
+        raw = os.pread(fd, 2 * _SHM_HDR_SIZE + 4, 0)
+        if len(raw) < 2 * _SHM_HDR_SIZE + 4:
+            return None
+        first, second = raw[:_SHM_HDR_SIZE], raw[_SHM_HDR_SIZE : 2 * _SHM_HDR_SIZE]
+        if first == second:
             _version, _unused, _change, is_init, _big, sz, mx, npage, _fck, salts = _SHM_HDR.unpack_from(first)
             if not is_init:
                 return None
             stored = struct.unpack_from("=II", first, 40)
-            if checksum(first[:40], 0, 0, _NATIVE_BIG) != stored:
-                continue
-            page_size = 65536 if sz == 1 else sz
-            (n_backfill,) = struct.unpack_from("=I", raw, 2 * _SHM_HDR_SIZE)
-            return ShmHeader(mx, npage, salts, page_size, n_backfill)
-        raise WalChanged("the wal-index header kept changing while being read")
-    finally:
-        os.close(fd)
+            if checksum(first[:40], 0, 0, _NATIVE_BIG) == stored:
+                page_size = 65536 if sz == 1 else sz
+                (n_backfill,) = struct.unpack_from("=I", raw, 2 * _SHM_HDR_SIZE)
+                return ShmHeader(mx, npage, salts, page_size, n_backfill)
+        if time.monotonic() > give_up:
+            raise WalChanged("the wal-index header kept changing while being read")
+        time.sleep(pause)  # caught mid-update by a committing writer: read again shortly
+        pause = min(pause * 2, 0.01)
 
 
 def read_frames(fd: int, header: WalHeader, start: int, end: int, prev_size: int) -> Capture:
