@@ -27,7 +27,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy events bus services projections hostmove moveprobe
+	$(BIN)/mypy events bus services projections hostmove moveprobe sim
 
 stack-down: $(STAMP)
 	$(BIN)/hostmove stack down

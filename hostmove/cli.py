@@ -5,6 +5,7 @@
     hostmove audit [--host H]          replay the ledger stream and check it against S3
     hostmove probe                     run the object-store conformance probe
     hostmove demo                      the main job on the embedded default
+    hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
 
 Exit codes: 0 done, 1 a finding or refusal, 2 bad usage or configuration, 3 the store failed the
 conformance probe.
@@ -173,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

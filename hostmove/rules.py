@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
-    "RULES", "Rule", "UnknownRule", "consulted", "mutated", "off", "on", "parse", "register", "reset_consulted",
+    "RULES", "Rule", "UnknownRule", "consulted", "load_all", "mutated", "off", "on", "parse", "register",
+    "reset_consulted",
 ]
 
 
@@ -88,6 +89,23 @@ def consulted() -> Counter[str]:
 
 def reset_consulted() -> None:
     _CONSULTED.clear()
+
+
+def load_all(packages: Iterable[str] = ("services",)) -> list[str]:
+    """Import every module of ``packages`` so that each registers its rules (a guard site registers
+    its rule beside it). Answers the modules that could not be imported, with why."""
+    import importlib
+    import pkgutil
+
+    failed: list[str] = []
+    for package in packages:
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            try:
+                importlib.import_module(info.name)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, never hidden
+                failed.append(f"{info.name}: {type(exc).__name__}: {exc}")
+    return failed
 
 
 def parse(text: str) -> tuple[str, ...]:

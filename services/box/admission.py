@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from events.claim import Admission, Claim, Predecessor, WriterRef
+from hostmove import rules
 from services.ledger.ledger import Refusal
 
 REFUSED_KINDS = frozenset({"creating", "deleting", "parking", "purging", "placing", "free"})
@@ -56,14 +57,14 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
     if current is None or current.holder is None:
         return Refusal("this host has no holder; nothing can be admitted")
     op, holder = current.op, current.holder
-    if op.kind in REFUSED_KINDS:
+    if rules.on("admission-kinds") and op.kind in REFUSED_KINDS:
         return Refusal(f"no writer is admitted while the host is {op.kind}")
     observed = (req.observed_op_id, req.observed_phase, req.observed_kind, req.observed_session,
                 req.observed_generation)
     actual = (op.id, op.phase, op.kind, holder.session, holder.generation)
-    if observed != actual:
+    if rules.on("admit-observed") and observed != actual:
         return Refusal("the claim changed since it was read; read it again before starting")
-    if op.exec != req.box:
+    if rules.on("exec-writer") and op.exec != req.box:
         return Refusal(f"box {req.box} does not hold execution of this host (it is {op.exec})")
     if req.new_generation == holder.generation:
         return Refusal("a cold admission needs a new generation")

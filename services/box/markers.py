@@ -18,6 +18,7 @@ from pathlib import Path
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.durable import DurableValueError
+from hostmove import rules
 from hostmove.fsutil import atomic_write
 from services.objstore.port import Got, Lost, ObjectStore, Won
 
@@ -196,6 +197,8 @@ async def publish_generation_marker(
     """Write ``generation.json`` conditionally: If-Match the marker it supersedes, or If-None-Match
     when there is none, so a late publication can never put an older generation back (model 29)."""
     body = canonical(marker)
+    if not rules.on("generation-conditional"):
+        return await store.put(bucket, marker_key(location), body)
     return await store.put(
         bucket, marker_key(location), body, if_match=supersedes_etag, if_none_match=supersedes_etag is None
     )

@@ -37,12 +37,16 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import MAX_CAUSATION_CHARS, MAX_NAME_CHARS, Actor, EventMeta, ObjectKind, Transition
 from events.record import Record
+from hostmove import rules
 from hostmove.ports import Clock
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")
 
 S = TypeVar("S", Claim, Record)
+
+STALE_READS = 5
+"""How many times a read found stale by the stream is retried before it counts as a defect."""
 
 META_EVENT = "hm-event"
 META_SHA = "hm-body-sha256"
@@ -55,6 +59,11 @@ _PREFIXES = {"claim": "control/hosts/", "record": "control/records/"}
 
 class LedgerDefect(Exception):
     """The authority and the log disagree in a way no writer may paper over. Never act on it (C6)."""
+
+
+class _StreamAhead(Exception):
+    """The stream holds a newer gen than the object this caller read: the read is stale (another
+    writer committed and published in between). Read again; only a persistent gap is a defect."""
 
 
 class Crash(Exception):
@@ -221,9 +230,19 @@ class Ledger:
             raise DurableValueError("invalid_value", "envelope_size", "transition name or causation too long")
         cls = _CLASSES[obj]
         lost: Conflict = Conflict(None)
+        stale = 0
         for _ in range(max(attempts, 1)):
             cur = await self.read(obj, host)
-            prev_seq = await self.ensure_published(obj, host, cur)
+            try:
+                if rules.on("publish-before-supersede"):
+                    prev_seq = await self.ensure_published(obj, host, cur)
+                else:
+                    prev_seq = self._published.get(ledger_subject(obj, host), (0, 0))[1]
+            except _StreamAhead as exc:
+                stale += 1
+                if stale > STALE_READS:
+                    raise LedgerDefect(str(exc)) from None
+                continue  # a writer committed between our two reads: read again
             decision = decide(cur.state)  # type: ignore[arg-type]
             if isinstance(decision, NoChange | Refusal):
                 return decision
@@ -239,8 +258,8 @@ class Ledger:
                 self.bucket,
                 object_key(obj, host),
                 body,
-                if_match=cur.etag,
-                if_none_match=cur.etag is None,
+                if_match=cur.etag if rules.on("ledger-cas") else None,
+                if_none_match=cur.etag is None and rules.on("ledger-cas"),
                 metadata=metadata,
             )
             if isinstance(put, Lost):
@@ -286,9 +305,7 @@ class Ledger:
             self._published[subject] = (last_gen, last.seq)
             return last.seq
         if last_gen > state.gen:
-            raise LedgerDefect(
-                f"the stream is ahead of the store for the {obj} of {host}: {last_gen} > {state.gen}"
-            )
+            raise _StreamAhead(f"the stream is ahead of the read of the {obj} of {host}: {last_gen} > {state.gen}")
         if cur.meta is not None and last_gen == state.gen - 1:
             seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
             log.info("relayed %s %s gen %d", obj, host, state.gen)
@@ -363,7 +380,15 @@ class Ledger:
 
     async def relay(self, obj: ObjectKind, host: str) -> int:
         """Publish the object's current gen if the stream lacks it (ARCHITECTURE §4)."""
-        return await self.ensure_published(obj, host, await self.read(obj, host))
+        for _ in range(STALE_READS):
+            try:
+                return await self.ensure_published(obj, host, await self.read(obj, host))
+            except _StreamAhead:
+                continue  # a writer committed between our two reads: read again
+        try:
+            return await self.ensure_published(obj, host, await self.read(obj, host))
+        except _StreamAhead as exc:
+            raise LedgerDefect(str(exc)) from None
 
     async def relay_all(self) -> list[str]:
         """Relay every claim and record in the bucket. Answers the objects it could not settle."""

@@ -1,0 +1,301 @@
+"""The simulation's event loop: one thread, virtual time, seeded interleavings (ARCHITECTURE §7; model digest §8.2-4).
+
+:class:`SimLoop` is an :class:`asyncio.BaseEventLoop` with no selector and no I/O:
+
+- ``time()`` is virtual. When nothing is ready the loop jumps to the earliest timer; timers become
+  ready in ``(time, seq)`` order, so equal times keep their scheduling order;
+- when several callbacks are ready at once, the order they run in is drawn from the loop's seeded
+  random source: interleavings vary by seed and replay exactly for one seed;
+- ``run_in_executor``, thread-safe calls, name resolution, sockets and subprocesses raise
+  :class:`SimulationRefused`;
+- a loop with nothing ready and no timer raises :class:`SimDeadlock`; ``max_steps`` bounds a run.
+
+:func:`sandbox` patches the process-wide sources of nondeterminism (wall clock, unseeded randomness,
+threads, sockets, subprocesses) to raise while a simulation runs, and restores them afterwards.
+:func:`run` runs one coroutine on a fresh loop inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import os
+import random
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+__all__ = [
+    "EPOCH_MS", "SimBudgetExceeded", "SimDeadlock", "SimLoop", "SimulationRefused", "VirtualClock", "run",
+    "sandbox",
+]
+
+T = TypeVar("T")
+
+EPOCH_MS = 1_700_000_000_000
+"""What virtual time 0 reads as on a :class:`VirtualClock` (milliseconds since the epoch)."""
+
+
+class SimulationRefused(RuntimeError):
+    """Something nondeterministic was used inside a simulation run."""
+
+
+class SimDeadlock(RuntimeError):
+    """Nothing is ready and no timer is pending, yet the run has not finished."""
+
+
+class SimBudgetExceeded(RuntimeError):
+    """The run took more loop steps than its budget."""
+
+
+def _refuse(what: str) -> SimulationRefused:
+    return SimulationRefused(
+        f"{what} is refused in simulation mode: read time through the Clock port, draw randomness from "
+        f"the seeded Random port, and do I/O through the twins"
+    )
+
+
+class SimLoop(asyncio.BaseEventLoop):
+    """A selector-less event loop on virtual time with a seeded ready order (see the module docstring)."""
+
+    def __init__(self, rng: random.Random, *, start: float = 0.0, max_steps: int | None = None) -> None:
+        super().__init__()
+        self._now = float(start)
+        self._rng = rng
+        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._seq = itertools.count()
+        self.steps = 0
+        self.max_steps = max_steps
+        self.errors: list[dict[str, Any]] = []
+        self.set_exception_handler(self._record_error)
+
+    # -- time ---------------------------------------------------------------------------------------
+
+    def time(self) -> float:
+        return self._now
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., object], *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._timers, (when, next(self._seq), timer))
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
+
+    def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        """Cancelled timers are dropped lazily when they reach the head of the heap."""
+
+    def pending_timers(self) -> int:
+        return sum(1 for _, _, t in self._timers if not t.cancelled())
+
+    # -- the one place callbacks run ----------------------------------------------------------------
+
+    def _run_once(self) -> None:
+        ready: Any = self._ready  # type: ignore[attr-defined]
+        timers = self._timers
+        if not ready and not self._stopping:  # type: ignore[attr-defined]
+            while timers and timers[0][2].cancelled():
+                heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+            if not timers:
+                raise SimDeadlock("nothing is ready and no timer is pending, but the run is not finished")
+            if timers[0][0] > self._now:
+                self._now = timers[0][0]
+        while timers and timers[0][0] <= self._now:
+            _, _, timer = heapq.heappop(timers)
+            timer._scheduled = False  # type: ignore[attr-defined]
+            if not timer.cancelled():
+                ready.append(timer)
+        batch = list(ready)
+        ready.clear()
+        if len(batch) > 1:
+            self._rng.shuffle(batch)
+        for handle in batch:
+            if handle.cancelled():
+                continue
+            self.steps += 1
+            if self.max_steps is not None and self.steps > self.max_steps:
+                raise SimBudgetExceeded(f"the run exceeded its budget of {self.max_steps} loop steps")
+            handle._run()
+
+    def _record_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.errors.append(context)
+
+    # -- refused in simulation mode -----------------------------------------------------------------
+
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:  # type: ignore[override]
+        raise _refuse("run_in_executor (a thread)")
+
+    def set_default_executor(self, executor: Any) -> None:
+        raise _refuse("an executor (threads)")
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any, context: Any = None) -> asyncio.Handle:  # type: ignore[override]
+        raise _refuse("call_soon_threadsafe (another thread)")
+
+    async def getaddrinfo(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("name resolution")
+
+    async def getnameinfo(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("name resolution")
+
+    async def create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a network connection")
+
+    async def create_server(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a network server")
+
+    async def create_datagram_endpoint(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a network endpoint")
+
+    async def create_unix_connection(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket connection")
+
+    async def create_unix_server(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket server")
+
+    async def sock_connect(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket")
+
+    async def sock_recv(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket")
+
+    async def sock_sendall(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket")
+
+    async def sock_accept(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a socket")
+
+    async def subprocess_exec(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a subprocess")
+
+    async def subprocess_shell(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("a subprocess")
+
+    def add_reader(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        raise _refuse("file-descriptor I/O")
+
+    def add_writer(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        raise _refuse("file-descriptor I/O")
+
+    def add_signal_handler(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        raise _refuse("a signal handler")
+
+    def _write_to_self(self) -> None:
+        raise _refuse("waking the loop from another thread")
+
+    def _process_events(self, event_list: Any) -> None:  # no selector: nothing to process
+        pass
+
+
+class VirtualClock:
+    """The Clock port on a :class:`SimLoop`'s virtual time, optionally skewed (spec §7.3 skew)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, epoch_ms: int = EPOCH_MS, skew_ms: int = 0) -> None:
+        self.loop = loop
+        self.epoch_ms = epoch_ms
+        self.skew_ms = skew_ms
+
+    def now_ms(self) -> int:
+        return self.epoch_ms + round(self.loop.time() * 1000) + self.skew_ms
+
+    def monotonic(self) -> float:
+        return self.loop.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def skewed(self, skew_ms: int) -> VirtualClock:
+        return VirtualClock(self.loop, epoch_ms=self.epoch_ms, skew_ms=skew_ms)
+
+
+# -- the sandbox ----------------------------------------------------------------------------------
+
+_ALLOWED_CALLERS = frozenset({"logging"})
+"""Modules that may still read the wall clock: a log record's timestamp never reaches a decision or
+the trace."""
+
+
+def _refuser(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_globals.get("__name__") in _ALLOWED_CALLERS:
+            return original(*args, **kwargs)
+        raise _refuse(what)
+
+    refused.__name__ = getattr(original, "__name__", "refused")
+    return refused
+
+
+class _RefusedSocket(socket.socket):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise _refuse("a real socket")
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    out: list[tuple[Any, str, Any]] = []
+    for name in ("time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "sleep"):
+        out.append((time, name, _refuser(f"time.{name} (the wall clock)", getattr(time, name))))
+    for name in ("random", "randint", "randrange", "choice", "choices", "shuffle", "sample", "uniform",
+                 "getrandbits", "randbytes", "gauss", "expovariate", "triangular", "betavariate"):
+        out.append((random, name, _refuser(f"random.{name} (unseeded randomness)", getattr(random, name))))
+    for name in ("random", "getrandbits", "randbytes"):
+        out.append((random.SystemRandom, name,
+                    _refuser(f"SystemRandom.{name} (unseeded randomness)", getattr(random.SystemRandom, name))))
+    out.append((os, "urandom", _refuser("os.urandom (unseeded randomness)", os.urandom)))
+    for name in ("token_bytes", "token_hex", "token_urlsafe", "randbelow", "choice"):
+        out.append((secrets, name, _refuser(f"secrets.{name} (unseeded randomness)", getattr(secrets, name))))
+    out.append((threading.Thread, "start", _refuser("threading.Thread.start (a thread)", threading.Thread.start)))
+    out.append((socket, "socket", _RefusedSocket))
+    for name in ("create_connection", "getaddrinfo", "socketpair"):
+        out.append((socket, name, _refuser(f"socket.{name} (real networking)", getattr(socket, name))))
+    out.append((subprocess.Popen, "__init__", _refuser("subprocess.Popen (a real process)", subprocess.Popen.__init__)))
+    return out
+
+
+@contextlib.contextmanager
+def sandbox() -> Iterator[None]:
+    """Refuse wall-clock time, unseeded randomness, threads, sockets and subprocesses inside the block."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, name, replacement in _patches():
+            saved.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)))
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def run(main: Coroutine[Any, Any, T], *, seed: int | str, max_steps: int | None = None) -> tuple[T, SimLoop]:
+    """Run ``main`` to completion on a fresh :class:`SimLoop` inside the :func:`sandbox`.
+
+    The loop's ready order is drawn from ``seed``. Tasks still pending when ``main`` returns are
+    cancelled. Must not be called while another event loop is running in this thread.
+    """
+    loop = SimLoop(random.Random(f"loop:{seed}"), max_steps=max_steps)
+    try:
+        with sandbox():
+            try:
+                result = loop.run_until_complete(main)
+            finally:
+                _cancel_rest(loop)
+    finally:
+        loop.close()
+    return result, loop
+
+
+def _cancel_rest(loop: SimLoop) -> None:
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    loop.max_steps = None
+    with contextlib.suppress(SimDeadlock, asyncio.CancelledError):
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

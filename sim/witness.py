@@ -1,0 +1,259 @@
+"""Witness scenarios (model digest §1 "Witnesses", §5): a scripted run per rule that the random sweep
+may reach only rarely.
+
+A witness runs in a clean world on a :class:`~sim.faults.QuietPlan` (no fault fires unless the script
+makes it happen; it never draws from a seed), scripts each step (hold an object-store request, pause
+an actor between its read and its write, crash an actor at a ledger fault point, restart it), then
+drives the world to quiescence and runs the final oracle. It names the invariant its rules' absence
+must break. The gate runs every witness three ways: unmutated it must hold; under every proper subset
+of its rules it must hold; under the whole set it must violate with the named invariant.
+
+A rule whose guard is not in the code yet is never consulted: the run under it is reported as
+``unwired`` (see ``sim/expected-outcomes.txt``, reason ``unexercised``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from events.claim import Claim, Op
+from services.ledger.ledger import Committed
+from sim.faults import QuietPlan, Timing
+from sim.run import DEFAULT_TIMING, Result, execute
+from sim.twins.s3 import Request
+from sim.workload import HostPlan, Workload
+from sim.world import World
+
+__all__ = ["WITNESSES", "Witness", "WitnessVerdict", "judge", "run_witness"]
+
+Script = Callable[[World], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Witness:
+    name: str
+    rules: tuple[str, ...]
+    failure: str  # the invariant the whole mutation set must violate
+    hosts: tuple[tuple[str, str], ...]  # (host, box) the world creates and must bring to quiescence
+    script: Script
+    doc: str
+
+
+def _world(w: Witness, timing: Timing) -> Callable[[asyncio.AbstractEventLoop], World]:
+    def make(loop: asyncio.AbstractEventLoop) -> World:
+        boxes = {"ie-1": "ie", "uk-1": "uk"}
+        hosts = tuple(HostPlan(h, b, boxes[b], 0.0) for h, b in w.hosts)
+        workload = Workload(hosts, (), concurrent_batches=False, wrong_box=False, marker_tail=False)
+        return World(f"witness:{w.name}", QuietPlan(f"witness:{w.name}"), timing, loop, workload, witness=True,
+                     boxes=boxes)
+
+    return make
+
+
+def run_witness(w: Witness, mutate: Iterable[str] = (), *, trace: bool = False,
+                timing: Timing = DEFAULT_TIMING) -> Result:
+    return execute(f"witness:{w.name}", _world(w, timing), w.script, trace=trace, mutate=tuple(mutate))
+
+
+# -- verdicts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WitnessVerdict:
+    witness: str
+    mutate: tuple[str, ...]
+    outcome: str  # "held", "violated", "wrong-failure", "unwired", "error"
+    detail: str
+    result: Result
+
+    @property
+    def ok(self) -> bool:
+        """What the gate requires: hold unmutated and under proper subsets; violate (or be unwired)
+        under the whole set."""
+        full = set(self.mutate) == set(WITNESS_BY_NAME[self.witness].rules)
+        if full:
+            return self.outcome in ("violated", "unwired")
+        return self.outcome == "held"
+
+
+def judge(w: Witness, mutate: tuple[str, ...], result: Result) -> WitnessVerdict:
+    if result.error:
+        return WitnessVerdict(w.name, mutate, "error", result.error, result)
+    full = set(mutate) == set(w.rules)
+    unwired = sorted(r for r in mutate if not result.consulted.get(r))
+    if result.violations:
+        named = [v for v in result.violations if v.invariant == w.failure]
+        if full and named:
+            return WitnessVerdict(w.name, mutate, "violated", named[0].line(), result)
+        if full:
+            return WitnessVerdict(w.name, mutate, "wrong-failure", result.violations[0].line(), result)
+        return WitnessVerdict(w.name, mutate, "violated", result.violations[0].line(), result)
+    if full and unwired:
+        return WitnessVerdict(w.name, mutate, "unwired", "never consulted: " + ", ".join(unwired), result)
+    return WitnessVerdict(w.name, mutate, "held", "", result)
+
+
+def subsets(rules: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every subset, the empty one first and the whole set last."""
+    out: list[tuple[str, ...]] = []
+    for k in range(len(rules) + 1):
+        out.extend(itertools.combinations(sorted(rules), k))
+    return out
+
+
+# -- scripts --------------------------------------------------------------------------------------
+
+H = "h1.example"
+
+
+async def _create(world: World, host: str = H) -> None:
+    plan = next(p for p in world.workload.hosts if p.host == host)
+    await world.console().create(plan)
+    await world.until(f"{host} created", lambda: (c := world.checker.claims.get(host)) is not None
+                      and c.op.kind == "serving")
+
+
+async def _awake(world: World, label: str, host: str = H) -> None:
+    await world.box(label).wake(host, "witness")
+    await world.until(f"{host} awake on {label}", lambda: bool(world.procs(label, host)))
+
+
+async def _done(world: World, task: asyncio.Task[None] | None, what: str) -> None:
+    await world.until(what, lambda: task is None or task.done())
+
+
+def _claim_put(box: str, host: str = H) -> Callable[[Request], bool]:
+    def pred(r: Request) -> bool:
+        return r.access.op == "put" and r.access.key == f"control/hosts/{host}.json" and r.principal.name == box
+
+    return pred
+
+
+async def w_admit_before_start(world: World) -> None:
+    """A wake on the execution holder. Mutated, the instance starts before its admission: a process
+    tree runs that the claim does not name (INV-1)."""
+    await _create(world)
+    await _awake(world, "ie-1")
+
+
+async def w_exec_admission(world: World) -> None:
+    """The host serves on ie-1; a request for it reaches uk-1. uk-1 refuses in its wake (K6) and the
+    admission decider refuses too (K1). Only with both gone is uk-1 admitted beside ie-1 (INV-1)."""
+    await _create(world)
+    await _awake(world, "ie-1")
+    await _done(world, world.request("uk-1", H), "the request on uk-1 settled")
+
+
+async def w_host_guard(world: World) -> None:
+    """Two wake passes for one host on one box. The first reads the claim, then pauses before its
+    admission; the second runs. The host guard serializes them; without it the admission's observed
+    values refuse the stale pass. With both gone the stale pass admits a second session and starts a
+    second process tree (INV-1)."""
+    await _create(world)
+    gate = world.gate("box.before_admit", "ie-1")
+    first = world.request("ie-1", H)
+    await world.until("the first pass paused before its admission", lambda: gate.waiting == 1)
+    second = world.request("ie-1", H)
+    await asyncio.sleep(120.0)  # the second pass runs as far as the guard lets it
+    gate.open()
+    await _done(world, first, "the first pass settled")
+    await _done(world, second, "the second pass settled")
+
+
+async def w_admission_kinds(world: World) -> None:
+    """The claim is taken to ``deleting`` (a stand-in for the delete op, which does not exist yet) while
+    its box restarts; the box's wake must not be admitted into a deleting claim (INV-13). The script
+    then cancels the delete and the host converges."""
+    await _create(world)
+    await _awake(world, "ie-1")
+    console = world.console()
+
+    def deleting(c: Claim | None) -> Claim:
+        assert c is not None
+        return msgspec.structs.replace(c, op=Op(kind="deleting", id="del_witness", exec=c.op.exec,
+                                                participants=c.op.participants))
+
+    out = await console.ledger.transition("claim", H, "delete-begin", deleting)
+    assert isinstance(out, Committed), out
+    world.crash("ie-1", "witness")
+    world.start("ie-1")
+    await world.box("ie-1").wake(H, "witness after restart")
+
+    def cancelled(c: Claim | None) -> Claim:
+        assert c is not None
+        return msgspec.structs.replace(c, op=Op(kind="serving", exec=c.op.exec, participants=c.op.participants))
+
+    out = await console.ledger.transition("claim", H, "delete-cancelled", cancelled)
+    assert isinstance(out, Committed), out
+
+
+async def w_generation_conditional(world: World) -> None:
+    """wGenerationConditional (model 29): the first session's marker PUT is accepted but completes only
+    after the caller gave up; the box restarts, admits a second session and publishes its marker; then
+    the first PUT lands. Written conditionally it gets a 412; unconditionally it puts the older
+    generation back (marker-order)."""
+    await _create(world)
+    hold = world.s3.hold(lambda r: r.access.op == "put" and r.access.key.endswith("/generation.json"))
+    first = world.request("ie-1", H)
+    await world.until("the first marker PUT is held", lambda: bool(hold.matched))
+    await _done(world, first, "the first pass gave up on its marker")
+    world.crash("ie-1", "witness")
+    world.start("ie-1")
+    await world.box("ie-1").wake(H, "witness after restart")
+    hold.release()
+    await world.until("the late marker PUT landed", world.s3.idle)
+
+
+async def w_publish_before_supersede(world: World) -> None:
+    """A writer's admission CAS lands and it dies before publishing; after its restart the next
+    admission must publish the missing gen before superseding it. Without that, the stream skips a
+    gen and the relay can only rebase (ledger-history)."""
+    await _create(world)
+    world.crash_points[("ie-1", "after_cas")] = 1
+    await _done(world, world.request("ie-1", H), "the admission crashed after its CAS")
+    world.start("ie-1")
+    await world.box("ie-1").wake(H, "witness after restart")
+
+
+async def w_ledger_cas(world: World) -> None:
+    """A wake pass's admission PUT is held in transit; the box dies and its next incarnation admits.
+    Then the stale PUT arrives: If-Match the ETag it read, it gets a 412; unconditional, it overwrites
+    the newer claim with another gen of the same number (ledger-history)."""
+    await _create(world)
+    hold = world.s3.hold(_claim_put("ie-1"), stage="transit")
+    world.request("ie-1", H)
+    await world.until("the admission PUT is in flight", lambda: bool(hold.matched))
+    world.crash("ie-1", "witness")
+    world.start("ie-1")
+    await world.box("ie-1").wake(H, "witness after restart")
+    hold.release()
+    await world.until("the stale PUT settled", world.s3.idle)
+
+
+WITNESSES: tuple[Witness, ...] = (
+    Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
+            w_admit_before_start.__doc__ or ""),
+    Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,
+            w_exec_admission.__doc__ or ""),
+    Witness("wHostGuard", ("admit-observed", "hostguard"), "INV-1", ((H, "ie-1"),), w_host_guard,
+            w_host_guard.__doc__ or ""),
+    Witness("wAdmissionKinds", ("admission-kinds",), "INV-13", ((H, "ie-1"),), w_admission_kinds,
+            w_admission_kinds.__doc__ or ""),
+    Witness("wGenerationConditional", ("generation-conditional",), "marker-order", ((H, "ie-1"),),
+            w_generation_conditional, w_generation_conditional.__doc__ or ""),
+    Witness("wPublishBeforeSupersede", ("publish-before-supersede",), "ledger-history", ((H, "ie-1"),),
+            w_publish_before_supersede, w_publish_before_supersede.__doc__ or ""),
+    Witness("wLedgerCas", ("ledger-cas",), "ledger-history", ((H, "ie-1"),), w_ledger_cas,
+            w_ledger_cas.__doc__ or ""),
+)
+WITNESS_BY_NAME = {w.name: w for w in WITNESSES}
+
+
+def check_witness(w: Witness, *, trace: bool = False) -> list[WitnessVerdict]:
+    """Run ``w`` unmutated, under every proper subset, and under its whole set."""
+    return [judge(w, m, run_witness(w, m, trace=trace)) for m in subsets(w.rules)]

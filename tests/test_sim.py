@@ -1,0 +1,808 @@
+"""The deterministic simulation (issue 5): the loop, the twins held to the real servers, the invariants,
+the gate, determinism, refusals and a planted bug caught.
+
+The contract cases are one set of functions run twice: on the twin inside a simulation run (virtual
+time) and on the real servers of the ``stack`` fixture (SeaweedFS, nats-server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.js.api import StorageType, StreamConfig
+
+from bus.log import LogError, StoredMessage, WrongLastSequence
+from bus.nats_log import NatsEventLog
+from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
+from events.base import canonical
+from events.claim import Admission, Claim, Holder, Op
+from events.envelope import Actor, EventMeta, Transition
+from hostmove import rules
+from hostmove.ports import WallClock
+from hostmove.stackinfo import StackInfo
+from services.box.markers import GenerationMarker
+from services.ledger.ledger import META_SHA
+from services.objstore.port import AccessDenied, Got, Lost, Missing, ObjectStore, StoreUnavailable, Won
+from services.objstore.s3 import S3Store
+from sim import cli
+from sim.faults import FaultPlan, PublishFate, QuietPlan, RequestFate, Timing
+from sim.invariants import Checker, Proc
+from sim.loop import SimDeadlock, SimulationRefused, VirtualClock, run
+from sim.run import run_seed
+from sim.sweep import Expected, RuleVerdict, classify, gate, load_expected, sweep, write_results
+from sim.trace import Trace
+from sim.twins.jetstream import Consumers, SimEventLog, SimJetStream, subject_matches
+from sim.twins.nats_consumers import NatsConsumers
+from sim.twins.s3 import Access, Landed, M17Policy, Principal, Request, RequestExpired, SimS3
+from sim.witness import WITNESSES
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = Timing()
+
+# =================================================================================================
+# the loop and the sandbox
+
+
+def test_virtual_time_jumps_and_timers_fire_in_time_order() -> None:
+    async def main() -> list[tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[str, float]] = []
+
+        async def at(name: str, delay: float) -> None:
+            await asyncio.sleep(delay)
+            seen.append((name, loop.time()))
+
+        await asyncio.gather(at("hour", 3600), at("minute", 60), at("day", 86400))
+        return seen
+
+    started = time.perf_counter()
+    seen, loop = run(main(), seed=1)
+    assert seen == [("minute", 60.0), ("hour", 3600.0), ("day", 86400.0)]
+    assert time.perf_counter() - started < 1.0, "a virtual day costs no wall time"
+    assert loop.time() == 86400.0
+
+
+def _interleaving(seed: int) -> list[int]:
+    async def main() -> list[int]:
+        order: list[int] = []
+
+        async def step(n: int) -> None:
+            for _ in range(3):
+                await asyncio.sleep(0)
+                order.append(n)
+
+        await asyncio.gather(*(step(n) for n in range(6)))
+        return order
+
+    return run(main(), seed=seed)[0]
+
+
+def test_ready_order_is_drawn_from_the_seed_and_replays() -> None:
+    assert _interleaving(7) == _interleaving(7)
+    orders = {tuple(_interleaving(s)) for s in range(8)}
+    assert len(orders) > 4, "different seeds interleave differently"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: time.time(),
+        lambda: time.monotonic(),
+        lambda: random.random(),
+        lambda: os.urandom(4),
+        lambda: threading.Thread(target=print).start(),
+        lambda: socket.socket(),
+        lambda: subprocess.Popen(["true"]),
+    ],
+    ids=["time.time", "time.monotonic", "random.random", "os.urandom", "thread", "socket", "subprocess"],
+)
+def test_nondeterminism_is_refused_inside_a_run_and_restored_after(call: Callable[[], object]) -> None:
+    async def main() -> None:
+        call()
+
+    with pytest.raises(SimulationRefused, match="refused in simulation mode"):
+        run(main(), seed=1)
+    assert time.time() > 1e9 and 0 <= random.random() < 1, "the patches are undone after the run"
+
+
+def test_executors_and_real_connections_are_refused() -> None:
+    async def executor() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, print)
+
+    async def connection() -> None:
+        await asyncio.open_connection("127.0.0.1", 1)
+
+    for main in (executor, connection):
+        with pytest.raises(SimulationRefused):
+            run(main(), seed=1)
+
+
+def test_a_run_that_waits_on_nothing_is_a_deadlock() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(SimDeadlock):
+        run(main(), seed=1)
+
+
+# =================================================================================================
+# rules
+
+
+def test_rules_are_on_unless_a_simulation_switches_them_off() -> None:
+    assert rules.on("hostguard")
+    with rules.mutated(["hostguard"]):
+        assert not rules.on("hostguard") and rules.on("exec-admission")
+
+        async def inner() -> bool:
+            return await asyncio.ensure_future(_on("hostguard"))
+
+        assert run(inner(), seed=1)[0] is False, "tasks created inside inherit the mutation"
+    assert rules.on("hostguard")
+    with pytest.raises(rules.UnknownRule):
+        rules.on("hostgaurd")
+    with pytest.raises(rules.UnknownRule), rules.mutated(["no-such-rule"]):
+        pass
+
+
+async def _on(name: str) -> bool:
+    return rules.on(name)
+
+
+def test_every_rule_has_a_witness_or_a_declared_outcome() -> None:
+    """The meta-test of model digest §8.7: no rule goes unjudged, no declaration names an unknown rule."""
+    assert rules.load_all() == []
+    expected = load_expected()
+    witnessed = {r for w in WITNESSES for r in w.rules}
+    for name, rule in sorted(rules.RULES.items()):
+        assert rule.section and rule.site, name
+        assert name in witnessed or name in expected, (
+            f"rule {name} ({rule.site}) has neither a witness in sim/witness.py nor a line in "
+            f"sim/expected-outcomes.txt; add e.g. '{name} unexercised: <why the simulation cannot reach it yet>'")
+
+
+# =================================================================================================
+# the object store: the same contract on the twin and on SeaweedFS
+
+
+async def s3_versions_and_delete_markers(store: ObjectStore, bucket: str, prefix: str) -> None:
+    key = f"{prefix}versions"
+    v1 = await store.put(bucket, key, b"one")
+    v2 = await store.put(bucket, key, b"two")
+    assert isinstance(v1, Won) and isinstance(v2, Won) and v1.version_id != v2.version_id
+    gone = await store.delete(bucket, key)
+    assert isinstance(gone, Won)
+    assert isinstance(await store.get(bucket, key), Missing)
+    listed = await store.list_versions(bucket, key)
+    assert [(e.is_latest, e.is_delete_marker) for e in listed] == [(True, True), (False, False), (False, False)]
+    old = await store.get(bucket, key, version_id=v1.version_id)
+    assert isinstance(old, Got) and old.body == b"one"
+    await store.delete(bucket, key, version_id=gone.version_id)  # remove the marker: v2 is current again
+    back = await store.get(bucket, key)
+    assert isinstance(back, Got) and back.body == b"two"
+
+
+async def s3_stale_etag_is_412(store: ObjectStore, bucket: str, prefix: str) -> None:
+    key = f"{prefix}cas"
+    first = await store.put(bucket, key, b"a", if_none_match=True)
+    assert isinstance(first, Won)
+    second = await store.put(bucket, key, b"b", if_match=first.etag)
+    assert isinstance(second, Won)
+    stale = await store.put(bucket, key, b"c", if_match=first.etag)
+    assert isinstance(stale, Lost) and stale.current_etag == second.etag
+    again = await store.put(bucket, key, b"d", if_none_match=True)
+    assert isinstance(again, Lost)
+    got = await store.get(bucket, key)
+    assert isinstance(got, Got) and got.body == b"b"
+
+
+async def s3_if_none_match_over_a_delete_marker(store: ObjectStore, bucket: str, prefix: str) -> None:
+    key = f"{prefix}marker"
+    await store.put(bucket, key, b"x")
+    await store.delete(bucket, key)
+    assert isinstance(await store.put(bucket, key, b"y", if_match='"0123"'), Lost)
+    assert isinstance(await store.put(bucket, key, b"y", if_none_match=True), Won)
+
+
+async def s3_conditional_delete(store: ObjectStore, bucket: str, prefix: str) -> None:
+    key = f"{prefix}cdel"
+    put = await store.put(bucket, key, b"x")
+    assert isinstance(put, Won)
+    assert isinstance(await store.delete(bucket, key, if_match='"ffff"'), Lost)
+    assert isinstance(await store.get(bucket, key), Got)
+    assert isinstance(await store.delete(bucket, key, if_match=put.etag), Won)
+    assert isinstance(await store.get(bucket, key), Missing)
+
+
+S3_CONTRACT = [s3_versions_and_delete_markers, s3_stale_etag_is_412, s3_if_none_match_over_a_delete_marker,
+               s3_conditional_delete]
+
+
+def _s3_world(loop: asyncio.AbstractEventLoop, *, timing: Timing = TIMING) -> tuple[SimS3, VirtualClock]:
+    clock = VirtualClock(loop)
+    server = SimS3(now_ms=clock.now_ms, rng=random.Random(5), timing=timing, trace=Trace(loop.time),
+                   policy=M17Policy("deploy", {"ie": "data-ie", "uk": "data-uk"}))
+    return server, clock
+
+
+ADMIN = Principal("admin", "admin")
+
+
+@pytest.mark.parametrize("body", S3_CONTRACT, ids=lambda f: f.__name__)
+def test_s3_contract_on_the_twin(body: Callable[[ObjectStore, str, str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        server, clock = _s3_world(asyncio.get_running_loop())
+        await server.create_bucket("contract")
+        await body(server.client(ADMIN, clock), "contract", "t/")
+
+    run(main(), seed=1)
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def real_s3(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, str]]:
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    bucket = unique("simct")
+    await store.create_bucket(bucket)
+    yield store, bucket
+    await store.delete_bucket(bucket)
+    await store.close()
+
+
+@pytest.mark.parametrize("body", S3_CONTRACT, ids=lambda f: f.__name__)
+async def test_s3_contract_on_seaweedfs(body: Callable[[ObjectStore, str, str], Awaitable[None]],
+                                        real_s3: tuple[S3Store, str], unique: Callable[[str], str]) -> None:
+    store, bucket = real_s3
+    await body(store, bucket, unique("t") + "/")
+
+
+SignedPut = Callable[[str, float], Awaitable[int]]
+"""``put(key, minutes)``: a PUT signed ``minutes`` before it is sent (negative: in the future); the status."""
+
+
+async def s3_signature_age_limit(put: SignedPut, get: Callable[[str], Awaitable[bool]]) -> None:
+    statuses = [await put(f"sig{m}", m) for m in (0, 14, 16, -16)]
+    assert statuses == [200, 200, 403, 403], "refused once the signature is 15 minutes off the server's time"
+    assert await get("sig14") and not await get("sig16"), "a refused request applies nothing"
+
+
+def test_signature_age_on_the_twin() -> None:
+    async def main() -> None:
+        server, clock = _s3_world(asyncio.get_running_loop())
+        await server.create_bucket("deploy")
+        admin = server.client(ADMIN, clock)
+
+        async def put(key: str, minutes: float) -> int:
+            signer = server.client(ADMIN, clock.skewed(-round(minutes * 60_000)))
+            try:
+                await signer.put("deploy", key, b"x")
+            except RequestExpired:
+                return 403
+            return 200
+
+        async def get(key: str) -> bool:
+            return isinstance(await admin.get("deploy", key), Got)
+
+        await s3_signature_age_limit(put, get)
+
+    run(main(), seed=1)
+
+
+async def test_signature_age_on_seaweedfs(real_s3: tuple[S3Store, str], stack: StackInfo,
+                                          unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    import aiohttp
+    import botocore.auth
+    import botocore.awsrequest
+    import botocore.credentials
+
+    store, bucket = real_s3
+    prefix = unique("sig")
+    creds = botocore.credentials.Credentials(stack.s3_access_key, stack.s3_secret_key)
+
+    async def put(key: str, minutes: float) -> int:
+        when = datetime.datetime.now(datetime.UTC).replace(tzinfo=None) - datetime.timedelta(minutes=minutes)
+        monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: when)
+        req = botocore.awsrequest.AWSRequest(method="PUT", url=f"{stack.s3_endpoint}/{bucket}/{prefix}/{key}",
+                                             data=b"x")
+        botocore.auth.S3SigV4Auth(creds, "s3", stack.s3_region).add_auth(req)
+        monkeypatch.undo()
+        prepared = req.prepare()
+        async with aiohttp.ClientSession() as http, http.put(prepared.url, data=b"x",
+                                                             headers=dict(prepared.headers)) as resp:
+            if resp.status == 403:
+                assert "RequestTimeTooSkewed" in await resp.text()
+            return resp.status
+
+    async def get(key: str) -> bool:
+        return isinstance(await store.get(bucket, f"{prefix}/{key}"), Got)
+
+    await s3_signature_age_limit(put, get)
+
+
+# -- twin only: what the real server's port cannot show -------------------------------------------
+
+
+@dataclass
+class Fixed:
+    fate: RequestFate
+
+    def s3_request(self, op: str, key: str, timing: Timing, *, long_tail_p: float = 0.0) -> RequestFate:
+        return self.fate
+
+
+def test_a_request_signed_more_than_15_minutes_before_it_arrives_is_refused() -> None:
+    async def main() -> None:
+        server, clock = _s3_world(asyncio.get_running_loop())
+        await server.create_bucket("deploy")
+        admin = server.client(ADMIN, clock)
+        stale = server.client(ADMIN, clock, fates=Fixed(RequestFate(pause_after_sign=16 * 60)))
+        with pytest.raises(RequestExpired, match="RequestTimeTooSkewed"):
+            await stale.put("deploy", "k", b"late")
+        assert isinstance(await admin.get("deploy", "k"), Missing), "nothing was applied"
+        fresh = server.client(ADMIN, clock, fates=Fixed(RequestFate(pause_after_sign=14 * 60)))
+        assert isinstance(await fresh.put("deploy", "k", b"in time"), Won)
+        ahead = server.client(ADMIN, clock.skewed(16 * 60 * 1000))
+        with pytest.raises(RequestExpired):
+            await ahead.get("deploy", "k")
+        paused_before = server.client(ADMIN, clock, fates=Fixed(RequestFate(pause_before_sign=60 * 60)))
+        assert isinstance(await paused_before.get("deploy", "k"), Got), "a pause before signing signs fresh"
+
+    run(main(), seed=1)
+
+
+def test_late_completion_lands_after_the_caller_gave_up_and_its_412_is_judged_then() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server, clock = _s3_world(loop)
+        await server.create_bucket("deploy")
+        admin = server.client(ADMIN, clock)
+        late = server.client(ADMIN, clock, fates=Fixed(RequestFate(processing=100.0)))
+        with pytest.raises(StoreUnavailable, match="outcome is unknown"):
+            await late.put("deploy", "late", b"eventually")
+        assert loop.time() == pytest.approx(30.0, abs=0.1), "the caller gave up at its timeout"
+        assert isinstance(await admin.get("deploy", "late"), Missing)
+        await asyncio.sleep(80)
+        got = await admin.get("deploy", "late")
+        assert isinstance(got, Got) and got.body == b"eventually", "the request landed long after"
+        # a create-only PUT that lands after someone else created the key: 412 at completion
+        creator = server.client(ADMIN, clock, fates=Fixed(RequestFate(processing=100.0)))
+        with pytest.raises(StoreUnavailable):
+            await creator.put("deploy", "race", b"late", if_none_match=True)
+        assert isinstance(await admin.put("deploy", "race", b"first", if_none_match=True), Won)
+        await asyncio.sleep(80)
+        got = await admin.get("deploy", "race")
+        assert isinstance(got, Got) and got.body == b"first"
+        assert server.idle()
+
+    run(main(), seed=1)
+
+
+def test_lost_response_applies_and_a_crashed_caller_does_not_stop_its_request() -> None:
+    async def main() -> None:
+        server, clock = _s3_world(asyncio.get_running_loop())
+        await server.create_bucket("deploy")
+        admin = server.client(ADMIN, clock)
+        lossy = server.client(ADMIN, clock, fates=Fixed(RequestFate(lost_response=True)))
+        with pytest.raises(StoreUnavailable, match="connection reset"):
+            await lossy.put("deploy", "lost", b"applied")
+        assert isinstance(await admin.get("deploy", "lost"), Got)
+        slow = server.client(ADMIN, clock, fates=Fixed(RequestFate(transit=5.0)))
+        caller = asyncio.ensure_future(slow.put("deploy", "orphan", b"still lands"))
+        await asyncio.sleep(1.0)
+        caller.cancel()  # the caller's process dies with the request on the wire
+        await asyncio.sleep(10.0)
+        got = await admin.get("deploy", "orphan")
+        assert isinstance(got, Got) and got.body == b"still lands"
+
+    run(main(), seed=1)
+
+
+M17 = M17Policy("deploy", {"ie": "data-ie", "uk": "data-uk"})
+IE = Principal("box", "ie-1", "ie")
+CONSOLE = Principal("console", "console")
+
+
+@pytest.mark.parametrize(
+    ("who", "access", "allowed"),
+    [
+        (IE, Access("put", "data-ie", "instances/h/x/generation.json"), True),
+        (IE, Access("list_versions", "data-ie", "instances/"), True),
+        (IE, Access("delete_version", "data-ie", "instances/h/x/a"), True),
+        (IE, Access("put", "data-uk", "moves/h/mv_1/staging/a"), True),
+        (IE, Access("delete", "data-uk", "moves/h/mv_1/staging/a"), True),
+        (IE, Access("list_keys", "data-uk", "moves/h/mv_1/"), True),
+        (IE, Access("get", "data-uk", "moves/h/mv_1/staging/a"), False),
+        (IE, Access("put", "data-uk", "instances/h/x/a"), False),
+        (IE, Access("list_versions", "data-uk", "moves/"), False),
+        (IE, Access("delete_version", "data-uk", "moves/h/a"), False),
+        (IE, Access("list_keys", "data-uk", ""), False),
+        (IE, Access("put", "deploy", "control/hosts/h.json"), True),
+        (IE, Access("delete", "deploy", "control/hosts/h.json"), False),
+        (IE, Access("put", "deploy", "other/x"), False),
+        (IE, Access("create_bucket", "data-ie", ""), False),
+        (CONSOLE, Access("delete", "deploy", "control/x"), True),
+        (CONSOLE, Access("get", "data-uk", "instances/h/x/a"), True),
+        (CONSOLE, Access("put", "data-uk", "instances/h/x/a"), False),
+    ],
+)
+def test_the_m17_policy(who: Principal, access: Access, allowed: bool) -> None:
+    reason = M17(who, access)
+    assert (reason is None) == allowed, reason
+
+
+def test_a_denied_request_is_refused_and_recorded() -> None:
+    async def main() -> None:
+        server, clock = _s3_world(asyncio.get_running_loop())
+        await server.create_bucket("data-uk")
+        seen: list[str] = []
+        server.on_denied = seen.append
+        box = server.client(IE, clock)
+        with pytest.raises(AccessDenied, match="M17"):
+            await box.put("data-uk", "instances/h/x/a", b"no")
+        assert len(seen) == 1 and "box:ie-1 put data-uk/instances/h/x/a" in seen[0]
+        assert isinstance(await box.put("data-uk", "moves/h/mv_1/a", b"yes"), Won)
+
+    run(main(), seed=1)
+
+
+# =================================================================================================
+# JetStream: the same contract on the twin and on nats-server
+
+
+@dataclass
+class JsEnv:
+    log: SimEventLog | NatsEventLog
+    consumers: Consumers
+    clock: WallClock | VirtualClock
+    make_stream: Callable[[float], Awaitable[tuple[str, str]]]
+    crash: Callable[[], Awaitable[None]]
+
+
+async def js_dedup_then_expected_sequence(env: JsEnv) -> None:
+    stream, p = await env.make_stream(60.0)
+    first = await env.log.publish(stream, f"{p}.a", b"1", msg_id="m1", expected_last_subject_seq=0)
+    assert (first.seq, first.duplicate) == (1, False)
+    with pytest.raises(WrongLastSequence):  # the retry with the same id: 10071 before dedup (stack facts §3)
+        await env.log.publish(stream, f"{p}.a", b"1", msg_id="m1", expected_last_subject_seq=0)
+    dup = await env.log.publish(stream, f"{p}.a", b"1", msg_id="m1")
+    assert (dup.seq, dup.duplicate) == (1, True)
+    other = await env.log.publish(stream, f"{p}.b", b"x", msg_id="m1")
+    assert other.duplicate, "dedup is stream-wide"
+    b = await env.log.publish(stream, f"{p}.b", b"2", msg_id="m2", expected_last_subject_seq=0)
+    c = await env.log.publish(stream, f"{p}.a", b"3", msg_id="m3", expected_last_subject_seq=1)
+    assert (b.seq, c.seq) == (2, 3), "subjects are checked independently"
+    with pytest.raises(WrongLastSequence):
+        await env.log.publish(stream, f"{p}.a", b"4", msg_id="m4", expected_last_subject_seq=1)
+    last = await env.log.last(stream, f"{p}.a")
+    assert last is not None and (last.seq, last.msg_id, last.data) == (3, "m3", b"3")
+
+
+async def js_dedup_window_expires(env: JsEnv) -> None:
+    stream, p = await env.make_stream(1.0)
+    await env.log.publish(stream, f"{p}.a", b"1", msg_id="w")
+    assert (await env.log.publish(stream, f"{p}.a", b"1", msg_id="w")).duplicate
+    await env.clock.sleep(1.6)
+    again = await env.log.publish(stream, f"{p}.a", b"1", msg_id="w")
+    assert (again.seq, again.duplicate) == (2, False), "the same id is new once the window has passed"
+
+
+async def _seqs(env: JsEnv, stream: str, durable: str, batch: int, timeout: float) -> list[tuple[int, int]]:
+    got = await env.consumers.fetch(stream, durable, batch=batch, timeout=timeout)
+    return [(d.msg.seq, d.num_delivered) for d in got]
+
+
+async def js_redelivery_after_ack_wait(env: JsEnv) -> None:
+    stream, p = await env.make_stream(60.0)
+    await env.consumers.add_consumer(stream, "c", filter_subject=f"{p}.>", ack_wait_s=1.0)
+    await env.log.publish(stream, f"{p}.a", b"1")
+    assert await _seqs(env, stream, "c", 1, 1.0) == [(1, 1)]
+    assert await _seqs(env, stream, "c", 1, 0.3) == [], "not before the ack wait"
+    got = await env.consumers.fetch(stream, "c", batch=1, timeout=3.0)
+    assert [(d.msg.seq, d.num_delivered) for d in got] == [(1, 2)]
+    await got[0].ack()
+    assert await _seqs(env, stream, "c", 1, 1.3) == [], "an acknowledged message is not redelivered"
+
+
+async def js_nak_with_delay(env: JsEnv) -> None:
+    stream, p = await env.make_stream(60.0)
+    await env.consumers.add_consumer(stream, "c", filter_subject=f"{p}.>", ack_wait_s=30.0)
+    await env.log.publish(stream, f"{p}.a", b"1")
+    (first,) = await env.consumers.fetch(stream, "c", batch=1, timeout=1.0)
+    await first.nak(0.6)
+    assert await _seqs(env, stream, "c", 1, 0.2) == []
+    got = await env.consumers.fetch(stream, "c", batch=1, timeout=2.0)
+    assert [(d.msg.seq, d.num_delivered) for d in got] == [(1, 2)]
+    await got[0].ack()
+
+
+async def js_out_of_order_after_a_consumer_crash(env: JsEnv) -> None:
+    stream, p = await env.make_stream(60.0)
+    await env.consumers.add_consumer(stream, "c", filter_subject=f"{p}.>", ack_wait_s=1.0)
+    for i in range(3):
+        await env.log.publish(stream, f"{p}.a", str(i).encode())
+    assert await _seqs(env, stream, "c", 3, 1.0) == [(1, 1), (2, 1), (3, 1)]
+    await env.crash()  # the consumer dies holding three unacknowledged messages
+    for i in range(3, 6):
+        await env.log.publish(stream, f"{p}.a", str(i).encode())
+    assert await _seqs(env, stream, "c", 3, 0.5) == [(4, 1), (5, 1), (6, 1)], "newer messages come first"
+    got = await env.consumers.fetch(stream, "c", batch=3, timeout=3.0)
+    assert [(d.msg.seq, d.num_delivered) for d in got] == [(1, 2), (2, 2), (3, 2)], "then the old ones"
+    for d in got:
+        await d.ack()
+
+
+async def js_max_deliver(env: JsEnv) -> None:
+    stream, p = await env.make_stream(60.0)
+    await env.consumers.add_consumer(stream, "c", filter_subject=f"{p}.>", ack_wait_s=1.0, max_deliver=2)
+    await env.log.publish(stream, f"{p}.a", b"poison")
+    assert await _seqs(env, stream, "c", 1, 1.0) == [(1, 1)]
+    assert await _seqs(env, stream, "c", 1, 3.0) == [(1, 2)]
+    assert await _seqs(env, stream, "c", 1, 2.5) == [], "never a third delivery"
+
+
+JS_CONTRACT = [js_dedup_then_expected_sequence, js_dedup_window_expires, js_redelivery_after_ack_wait,
+               js_nak_with_delay, js_out_of_order_after_a_consumer_crash, js_max_deliver]
+
+
+@pytest.mark.parametrize("body", JS_CONTRACT, ids=lambda f: f.__name__)
+def test_jetstream_contract_on_the_twin(body: Callable[[JsEnv], Awaitable[None]]) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        clock = VirtualClock(loop)
+        server = SimJetStream(now_ms=clock.now_ms)
+        log = SimEventLog(server, "test")
+
+        async def make_stream(window_s: float) -> tuple[str, str]:
+            server.windows["CT"] = int(window_s * 1000)
+            return "CT", "ct"
+
+        async def crash() -> None:
+            return None  # the twin keeps no client-side state: the server's pending set is the truth
+
+        await body(JsEnv(log, log, clock, make_stream, crash))
+
+    run(main(), seed=1)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def real_js(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[JsEnv]:
+    log = await NatsEventLog.connect(stack.nats_url)
+    consumers = NatsConsumers(log.js)
+    made: list[str] = []
+
+    async def make_stream(window_s: float) -> tuple[str, str]:
+        token = unique("simct").replace("-", "_")
+        name = token.upper()
+        await log.js.add_stream(StreamConfig(name=name, subjects=[f"{token}.>"], storage=StorageType.MEMORY,
+                                             duplicate_window=window_s))
+        made.append(name)
+        return name, token
+
+    try:
+        yield JsEnv(log, consumers, WallClock(), make_stream, consumers.crash)
+    finally:
+        await consumers.crash()
+        for name in made:
+            await log.js.delete_stream(name)
+        await log.close()
+
+
+@pytest.mark.parametrize("body", JS_CONTRACT, ids=lambda f: f.__name__)
+async def test_jetstream_contract_on_nats_server(body: Callable[[JsEnv], Awaitable[None]], real_js: JsEnv) -> None:
+    await body(real_js)
+
+
+def test_subject_matching() -> None:
+    assert subject_matches("hm.ledger.claim.*", "hm.ledger.claim.h1")
+    assert not subject_matches("hm.ledger.claim.*", "hm.ledger.record.h1")
+    assert not subject_matches("hm.ledger.claim.*", "hm.ledger.claim.h1.x")
+    assert subject_matches("hm.>", "hm.ledger.claim.h1") and not subject_matches("hm.>", "hm")
+
+
+def test_the_twin_publish_faults_come_from_the_plan() -> None:
+    class LoseAck:
+        def publish(self) -> PublishFate:
+            return PublishFate(lose_ack=True)
+
+        def fault(self, name: str, p: float) -> bool:
+            return False
+
+    async def main() -> None:
+        clock = VirtualClock(asyncio.get_running_loop())
+        server = SimJetStream(now_ms=clock.now_ms)
+        with pytest.raises(LogError, match="acknowledgement was lost"):
+            await SimEventLog(server, "t", fates=LoseAck()).publish("S", "s.a", b"x", msg_id="i")
+        assert [m.seq for m in server.messages("S")] == [1], "stored although the caller never heard"
+
+    run(main(), seed=1)
+
+
+# =================================================================================================
+# the invariants (pure checks on what lands)
+
+
+def _checker() -> tuple[Checker, list[str]]:
+    lines: list[str] = []
+    return Checker(1, lambda: 0.0, lambda a, w: lines.append(w), "deploy"), lines
+
+
+def _landed(key: str, body: bytes | None, *, bucket: str = "deploy", op: str = "put",
+            meta: dict[str, str] | None = None) -> Landed:
+    req = Request(1, IE, Access(op, bucket, key), 0, RequestFate())
+    return Landed(req, op, bucket, key, "v", body, meta or {})  # type: ignore[arg-type]
+
+
+def _claim_landed(claim: Claim) -> Landed:
+    import hashlib
+
+    body = canonical(claim)
+    return _landed(f"control/hosts/{claim.host}.json", body, meta={META_SHA: hashlib.sha256(body).hexdigest()})
+
+
+def _serving(gen: int, session: int, box: str = "ie-1", generation: str = "g") -> Claim:
+    admissions = (Admission(session=session, box=box, generation=generation, region="ie"),) if session else ()
+    holder = Holder(incarnation="ab" * 32, location="instances/h/x/", generation=generation, session=session,
+                    writer_box=box if session else "", admissions=admissions)
+    return Claim(host="h", gen=gen, holder=holder, op=Op(kind="serving", exec=box, participants=(box,)))
+
+
+def test_checker_flags_a_deleted_claim_and_a_write_outside_the_ledger() -> None:
+    c, _ = _checker()
+    c.on_landed(_landed("control/hosts/h.json", None, op="delete"))
+    c.on_landed(_landed("control/hosts/g.json", b'{"host":"g","gen":1}'))
+    assert [v.invariant for v in c.violations] == ["C5a", "durable-boundary"]
+
+
+def test_checker_flags_two_writes_of_one_gen_and_a_marker_going_back() -> None:
+    c, lines = _checker()
+    c.on_landed(_claim_landed(_serving(3, 3, generation="g3")))
+    c.on_landed(_claim_landed(_serving(4, 4, generation="g4")))
+    c.on_landed(_claim_landed(_serving(4, 4, generation="other")))
+    assert [v.invariant for v in c.violations] == ["ledger-history"]
+    marker = "instances/h/x/generation.json"
+    for gen in ("g4", "g3"):
+        body = canonical(GenerationMarker(op=gen, incarnation="ab" * 32, host="h", box="ie-1", installed_at=1))
+        c.on_landed(_landed(marker, body, bucket="data-ie"))
+    assert c.violations[-1].invariant == "marker-order" and "back from generation g4" in c.violations[-1].what
+    assert any(line.startswith("VIOLATION marker-order") for line in lines)
+
+
+def test_checker_flags_a_gap_a_rebase_and_a_second_writer() -> None:
+    c, _ = _checker()
+    claims = [_serving(g, 0) for g in (1, 2, 3)]
+    for claim in claims:
+        c.on_landed(_claim_landed(claim))
+    actor = Actor(service="t", pid=1, nonce="n")
+
+    def event(claim: Claim, kind: str = "transition") -> StoredMessage:
+        t = Transition(kind=kind, object="claim", host="h", gen=claim.gen,  # type: ignore[arg-type]
+                       meta=EventMeta(name="x", actor=actor, at=1), claim=claim)
+        return StoredMessage(claim.gen, ledger_subject("claim", "h"), canonical(t),
+                             {"Nats-Msg-Id": ledger_msg_id("claim", "h", claim.gen)})
+
+    c.on_message(LEDGER_STREAM, event(claims[0]))
+    c.on_message(LEDGER_STREAM, event(claims[2]))
+    assert c.violations[-1].what == "the claim of h: gen 3 follows gen 1 on the stream"
+    c.on_message(LEDGER_STREAM, event(claims[2], "rebase"))
+    assert "rebased" in c.violations[-1].what
+    c.procs.append(Proc("uk-1", "h", 7, "g"))
+    c.check_writers("h")
+    assert c.violations[-1].invariant == "INV-1"
+
+
+# =================================================================================================
+# the simulation: runs, determinism, the gate, a planted bug, the sweep
+
+
+def test_a_seed_runs_the_real_code_paths_to_quiescence() -> None:
+    result = run_seed(1, trace=True)
+    assert not result.violations and result.error is None
+    text = "\n".join(result.trace)
+    for what in ("create h", "registered (roster gen", "admitted h", "marker of h", "crash #", "calm phase",
+                 "admin: "):
+        assert what in text, what
+    assert result.counters["admissions"] > 0 and result.counters["faults_fired"] > 0
+
+
+def test_the_same_seed_gives_the_same_trace_in_another_process() -> None:
+    """Determinism across processes and hash seeds: nothing in a run depends on PYTHONHASHSEED."""
+    here = run_seed(11)
+    lines = []
+    for hash_seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-m", "sim", "--seed", "11"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines.append(out.stdout.strip().splitlines()[-1])
+    assert lines[0] == lines[1] == f"seed=11 steps={here.steps} trace={here.trace_hash}"
+
+
+def test_the_gate() -> None:
+    """300 seeds unmutated, each twice with equal trace hashes, and every witness three ways."""
+    started = time.perf_counter()
+    lines: list[str] = []
+    report = gate(300, out=lines.append)
+    assert report.ok, "\n".join(lines[-60:])
+    assert len({r.trace_hash for r in report.results}) == 300, "different seeds give different traces"
+    assert time.perf_counter() - started < 55
+
+
+def test_a_planted_bug_is_caught_and_its_trace_shows_it() -> None:
+    """Switch the host guard off: some seed runs two wake passes of one host at once on one box."""
+    caught = next((r for r in (run_seed(s, mutate=["hostguard"]) for s in range(40)) if r.violations), None)
+    assert caught is not None, "no seed in 40 caught the missing host guard"
+    v = caught.violations[0]
+    assert v.invariant == "INV-1" and v.line().startswith(f"VIOLATION seed={caught.seed} INV-1: ")
+    assert any(line.endswith(f"VIOLATION INV-1: {v.what}") for line in caught.trace)
+    starts = [line for line in caught.trace if " start h" in line and "session" in line]
+    assert len(starts) >= 2, "the trace shows the processes that ran at once"
+    assert not run_seed(int(caught.seed), mutate=()).violations, "the same seed holds with the rule on"
+
+
+def test_the_cli_replays_a_violating_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--seed", "0", "--rules", "admit-before-start"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("VIOLATION seed=0 INV-1: ")
+    assert "--- trace of seed 0 with admit-before-start off" in out and "VIOLATION INV-1" in out
+    assert cli.main(["--seed", "0"]) == 0
+    assert cli.main(["--seed", "0", "--rules", "no-such-rule"]) == 2
+
+
+def test_the_sweep_classifies_and_writes_results(tmp_path: Path) -> None:
+    lines: list[str] = []
+    verdicts = sweep(4, rule_names=["admit-before-start", "exec-admission"], jobs=1, out=lines.append)
+    by_rule = {v.rule: v for v in verdicts}
+    assert by_rule["admit-before-start"].verdict == "CAUGHT"
+    assert by_rule["admit-before-start"].hits == 4 and by_rule["admit-before-start"].witness == "violated"
+    assert by_rule["exec-admission"].verdict == "EXPECTED-MISS" and by_rule["exec-admission"].consulted > 0
+    out = tmp_path / "RESULTS.md"
+    write_results(verdicts, 4, out)
+    text = out.read_text()
+    assert "| CAUGHT | `admit-before-start` | 4 of 4 | 0 | violated |" in text
+    assert "VIOLATION seed=0 INV-1" in text
+
+
+@pytest.mark.parametrize(
+    ("hits", "witness", "consulted", "expected", "verdict"),
+    [
+        (3, "none", 9, None, "CAUGHT"),
+        (0, "violated", 9, None, "CAUGHT"),
+        (0, "none", 9, None, "MISSED"),
+        (0, "none", 0, Expected("r", "unexercised", "x"), "EXPECTED-MISS"),
+        (0, "none", 5, Expected("r", "unexercised", "x"), "MISSED"),
+        (0, "none", 5, Expected("r", "combination", "x"), "EXPECTED-MISS"),
+        (2, "none", 5, Expected("r", "combination", "x"), "STALE"),
+        (0, "none", 5, Expected("r", "rare", "", 30000), "EXPECTED-MISS"),
+        (1, "none", 5, Expected("r", "rare", "", 30000), "CAUGHT"),
+    ],
+)
+def test_classification(hits: int, witness: str, consulted: int, expected: Expected | None, verdict: str) -> None:
+    v = classify(RuleVerdict("r", "", 100, hits=hits, witness=witness, consulted=consulted), expected)
+    assert v.verdict == verdict, v.note
+    errored = classify(RuleVerdict("r", "", 100, hits=3, errors=["seed 4: SimDeadlock"]), None)
+    assert errored.verdict == "ERROR", "a harness failure is never a detection"
+
+
+def test_a_quiet_plan_draws_nothing_harmful() -> None:
+    plan = QuietPlan("w")
+    fate = plan.s3_request("put", "k", TIMING)
+    assert fate == RequestFate(transit=0.002, answer=0.002)
+    assert plan.token("x", 8) != plan.token("x", 8), "ids stay distinct"
+    noisy = FaultPlan(3)
+    assert sum(noisy.fault("f", 0.5) for _ in range(200)) > 50
+    noisy.calm = True
+    assert not any(noisy.fault("f", 0.9) for _ in range(50)), "no fault fires in the calm phase"
+
