@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down
+.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,15 @@ test: $(STAMP)
 BENCHES := ledger projection replication archive
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(BIN)/python -m bench.$$b || rc=1; done; exit $$rc
+
+# Longer simulation runs, outside `make test` (which runs the 300-seed gate, every witness and the
+# determinism check through tests/test_sim.py).
+SEEDS ?= 3000
+sim-baseline: $(STAMP)
+	$(BIN)/hostmove sim gate --seeds $(SEEDS)
+
+sim-sweep: $(STAMP)
+	$(BIN)/hostmove sim sweep --seeds $(SEEDS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
