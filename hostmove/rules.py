@@ -118,44 +118,45 @@ def parse(text: str) -> tuple[str, ...]:
 
 
 # -- the registry ---------------------------------------------------------------------------------
-# Real-code sites marked "proposed" are where the guard belongs; until the guard is there the rule is
-# never consulted and the sweep reports it as unexercised (sim/expected-outcomes.txt).
+# Rules registered here guard real code at the site named; other modules register their own rules
+# beside their guards (load_all imports them). A rule the simulation never consults is declared in
+# sim/expected-outcomes.txt with its reason.
 
 register(
     "publish-before-supersede",
     section="ARCHITECTURE §4 'Gapless, ordered history'; spec §14.2 history",
     meaning="before a writer supersedes gen N, gen N's event is on the stream (publish it first)",
-    site="services/ledger/ledger.py Ledger.transition, the ensure_published call (proposed)",
+    site="services/ledger/ledger.py Ledger.transition, the ensure_published call",
 )
 register(
     "ledger-cas",
     section="claim C3; ARCHITECTURE §4 (CAS with the ETag it read)",
     meaning="a claim or record is written If-Match the ETag read, or If-None-Match when absent",
-    site="services/ledger/ledger.py Ledger.transition, the store.put call (proposed)",
+    site="services/ledger/ledger.py Ledger.transition, the store.put call",
 )
 register(
     "generation-conditional",
     section="§5.1 markers; model 29",
     meaning="generation.json is written If-Match the marker it supersedes, or If-None-Match",
-    site="services/box/markers.py publish_generation_marker (proposed)",
+    site="services/box/markers.py publish_generation_marker",
 )
 register(
     "exec-writer",
     section="§19.2 K1; claim 6.8.1; digest D§6 guards",
     meaning="the admission CAS requires op.exec to name the admitted box",
-    site="services/box/admission.py decide_admit_writer, the op.exec check (proposed)",
+    site="services/box/admission.py decide_admit_writer, the op.exec check",
 )
 register(
     "admit-observed",
     section="§5.1 step 9; digest D§6 'On conflict'",
     meaning="an admission refuses when the op, phase, kind, session or generation it observed moved",
-    site="services/box/admission.py decide_admit_writer, the observed != actual check (proposed)",
+    site="services/box/admission.py decide_admit_writer, the observed != actual check",
 )
 register(
     "admission-kinds",
     section="digest D§3.7; INV-13",
     meaning="no writer is admitted while the claim is creating, deleting, parking, purging, placing or free",
-    site="services/box/admission.py decide_admit_writer, the REFUSED_KINDS check (proposed)",
+    site="services/box/admission.py decide_admit_writer, the REFUSED_KINDS check",
 )
 register(
     "exec-admission",
