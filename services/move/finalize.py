@@ -1,0 +1,297 @@
+"""Finalization of a committed move (spec §7.9 steps 3-5, §6.4, §19.2 K5 and K8; digest D§8).
+
+After the commit the claim carries two obligations (:func:`services.move.follow.claim_half`):
+``park-superseded`` owned by the source box, scoped to the holder's location, and ``park-staging`` owned
+by the target box, scoped to the staging lane ``moves/<host>/<op>/``.
+
+- **Source park** (§7.9 step 3): bucket-park the location by exact versions and acknowledge after the
+  horizon (:mod:`services.move.park`); the local park (an injected ``local_retire``); record CAS
+  ``source_parked_at``; claim CAS removing ``park-superseded``.
+- **Staging park** (§7.9 step 4): bucket-park the lane; claim CAS removing ``park-staging``.
+- **Close** (§7.9 step 5): once both obligations are gone, record CAS clearing ``move`` into
+  ``last_move = done`` (record first, ruling M4, §7.5); then the claim's release to ``serving`` with the
+  target as ``exec`` (K8), which is :func:`services.move.follow.claim_half`, so the console's recovery pass
+  finishes a close that crashed between the two CASes.
+
+The deciders are pure. Every step revalidates the claim first (K5) and every step is idempotent: the park's
+journal is its manifests in the bucket, the CASes are conditional and decide NoChange when already done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bus.facts import Fact, publish_fact
+from bus.log import EventLog, LogError
+from events.claim import Claim, Obligation
+from events.record import LastMove, Record
+from hostmove import rules
+from hostmove.ports import Clock
+from services.box.guard import ReadClaim, host_guard
+from services.box.registry import Registry
+from services.box.stamps import ParkedArtifact, StampBook
+from services.box.timers import Timers
+from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
+from services.move.follow import claim_half
+from services.move.guards import live_move, step_allowed
+from services.move.park import Acknowledged, Parker
+
+log = logging.getLogger("hostmove.finalize")
+
+rules.register(
+    "close-record-first",
+    section="§7.9 step 5; §7.5; ruling M4; §19.2 K8",
+    meaning="the close clears the record's move into last_move only when both parks are acknowledged and the "
+            "target has opened; the claim is released after the record, never before",
+    site="services/move/finalize.py decide_close",
+)
+
+PARK_SUPERSEDED = "park-superseded"
+PARK_STAGING = "park-staging"
+_FINAL_KINDS = frozenset({"landing"})
+_FINAL_PHASES = frozenset({"committed"})
+
+
+# -- pure deciders ----------------------------------------------------------------------------------------
+
+
+def finalization_refused(claim: Claim | None, move_id: str) -> str | None:
+    """K5 (§19.2): a finalization step runs only while the claim holds this move at ``landing/committed``."""
+    return step_allowed(claim, op_id=move_id, kinds=_FINAL_KINDS, phases=_FINAL_PHASES)
+
+
+def pending(claim: Claim | None, *, move_id: str, kind: str, owner: str) -> Obligation | None:
+    """The obligation of ``kind`` this box owes for the move, if it is still on the claim."""
+    if claim is None:
+        return None
+    for o in claim.obligations:
+        if o.kind == kind and o.op == move_id and o.owner == owner:
+            return o
+    return None
+
+
+def decide_source_parked(record: Record | None, *, move_id: str, incarnation: str, now_ms: int
+                         ) -> Record | NoChange | Refusal:
+    """Record CAS ``source_parked_at`` (§7.9 step 3), once."""
+    if record is not None and record.move is None and record.last_move is not None and record.last_move.id == move_id:
+        return NoChange("the move is already closed")
+    move = live_move(record, move_id, incarnation)
+    if record is None or move is None:
+        return Refusal(f"the record no longer holds move {move_id}; the source park is not recorded")
+    if move.state != "committed":
+        return Refusal(f"the move is {move.state}, not committed; the source does not park its location")
+    if move.source_parked_at is not None:
+        return NoChange("source_parked_at is already stamped")
+    return msgspec.structs.replace(
+        record, move=msgspec.structs.replace(move, source_parked_at=now_ms, updated_at=now_ms))
+
+
+def decide_drop_obligation(claim: Claim | None, *, move_id: str, kind: str, owner: str, quiet_until: int
+                           ) -> Claim | NoChange | Refusal:
+    """Claim CAS removing the acknowledged obligation (K8) and raising the region's ``quiet_after`` to the
+    park's horizon (digest D§1, T12: defence in depth)."""
+    why = finalization_refused(claim, move_id)
+    if why is not None or claim is None:
+        return Refusal(why or "the host has no claim")
+    ob = pending(claim, move_id=move_id, kind=kind, owner=owner)
+    if ob is None:
+        return NoChange(f"{kind} is already acknowledged")
+    quiet = dict(claim.quiet_after)
+    quiet[ob.region] = max(quiet.get(ob.region, 0), quiet_until)
+    return msgspec.structs.replace(claim, obligations=tuple(o for o in claim.obligations if o != ob),
+                                   quiet_after=quiet)
+
+
+def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, now_ms: int
+                 ) -> Record | NoChange | Refusal:
+    """Record CAS clearing ``move`` into ``last_move = done`` (§7.9 step 5, ruling M4)."""
+    if record is not None and record.move is None and record.last_move is not None and record.last_move.id == move_id:
+        return NoChange("the record is already closed")
+    why = finalization_refused(claim, move_id)
+    if why is not None or claim is None or claim.holder is None:
+        return Refusal(why or "the claim names no holder")
+    move = live_move(record, move_id, claim.holder.incarnation)
+    if record is None or move is None:
+        return Refusal(f"the record no longer holds move {move_id}")
+    if move.state != "committed":
+        return Refusal(f"the move is {move.state}, not committed; it does not close as done")
+    if rules.on("close-record-first"):
+        left = sorted(o.kind for o in claim.obligations if o.op == move_id)
+        if left:
+            return NoChange(f"waiting for {', '.join(left)} to be acknowledged")
+        if move.opened_at is None:
+            return NoChange("waiting for the target to open")
+        if move.source_parked_at is None:
+            return NoChange("waiting for the source to record its park")
+    return msgspec.structs.replace(record, move=None, last_move=LastMove(id=move_id, outcome="done", at=now_ms))
+
+
+# -- the source's local park ---------------------------------------------------------------------------------
+
+
+class FinalizeError(Exception):
+    """A finalization step found the box's state not what the claim says; the message says why."""
+
+
+@dataclass(frozen=True)
+class LocalRetired:
+    parked: tuple[ParkedArtifact, ...]
+    row_deleted: bool
+    timers_deleted: int
+
+
+@dataclass
+class LocalRetirement:
+    """The source's local park (§7.9 step 3; §6.4 "Local retirement"): under the host guard and a fresh claim
+    read (K5 again), ``retire-installation`` of the holder's incarnation (the retired marker first, then every
+    tagged artifact renamed into ``.parked/superseded-<op>/park-superseded-local/<host>/``), then the row's
+    delete conditional on ``hold_op = move id`` and the host's timers rows. Idempotent: a replay parks
+    nothing new and deletes nothing more. Usable as :attr:`Finalizer.local_retire`."""
+
+    box_dir: Path
+    stamps: StampBook
+    registry: Registry
+    timers: Timers
+    read_claim: ReadClaim
+    clock: Clock
+
+    async def __call__(self, host: str, move_id: str) -> LocalRetired:
+        async with host_guard(self.box_dir, host, self.read_claim, clock=self.clock) as guarded:
+            claim = guarded.claim
+            why = finalization_refused(claim, move_id)
+            if why is not None or claim is None or claim.holder is None:
+                raise FinalizeError(f"the local park of {host} did not run: {why or 'the claim names no holder'}")
+            parked = self.stamps.retire_installation(guarded, claim.holder.incarnation, op=move_id,
+                                                     event=f"{PARK_SUPERSEDED}-local")
+            row_deleted = self.registry.delete_held(host, move_id)
+            timers_deleted = self.timers.delete_all(host)
+        return LocalRetired(tuple(parked), row_deleted, timers_deleted)
+
+
+# -- the runner -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a finalization step did: ``done`` (its part is over), or why not and when to wake again."""
+
+    done: bool
+    reason: str = ""
+    wake_at: int | None = None
+
+
+@dataclass
+class Finalizer:
+    """One box's finalization worker for one region's bucket (``parker``). ``local_retire(host, move_id)``
+    is the source's local park (``retire-installation`` of §6.4), injected by the box; ``faults`` is a test
+    hook called at ``after_source_parked`` and ``after_record_close`` that may raise to simulate a crash."""
+
+    box: str
+    ledger: Ledger
+    parker: Parker
+    events: EventLog | None = None
+    local_retire: Callable[[str, str], Awaitable[object]] | None = None
+    faults: Callable[[str], None] | None = None
+
+    def _fault(self, point: str) -> None:
+        if self.faults is not None:
+            self.faults(point)
+
+    async def source_park(self, host: str, move_id: str) -> StepReport:
+        """§7.9 step 3 on the source box."""
+        return await self._park(host, move_id, PARK_SUPERSEDED)
+
+    async def staging_park(self, host: str, move_id: str) -> StepReport:
+        """§7.9 step 4 on the target box."""
+        return await self._park(host, move_id, PARK_STAGING)
+
+    async def _park(self, host: str, move_id: str, kind: str) -> StepReport:
+        claim = (await self.ledger.read_claim(host)).state
+        record = (await self.ledger.read_record(host)).state
+        if record is not None and record.last_move is not None and record.last_move.id == move_id:
+            return await self.close(host, move_id)  # closed already: at most the release is left
+        why = finalization_refused(claim, move_id)
+        if why is not None or claim is None or claim.holder is None:
+            return StepReport(False, why or "the claim names no holder")
+        incarnation = claim.holder.incarnation
+        ob = pending(claim, move_id=move_id, kind=kind, owner=self.box)
+        if ob is None:
+            return await self.close(host, move_id)
+        if ob.scope is None:
+            return StepReport(False, f"the {kind} obligation has no scope; it cannot run unscoped (INV-22)")
+        outcome = await self.parker.park_scope(host=host, op=move_id, kind=kind, scope=ob.scope)
+        if not isinstance(outcome, Acknowledged):
+            return StepReport(False, outcome.reason, outcome.until)
+        quiet_until = (ob.scope.evidence_at or 0) + self.parker.timing.horizon_ms(ob.scope)
+        if kind == PARK_SUPERSEDED:
+            if self.local_retire is not None:
+                await self.local_retire(host, move_id)
+            now = self.ledger.clock.now_ms()
+
+            def stamp(cur: Record | None) -> Record | NoChange | Refusal:
+                return decide_source_parked(cur, move_id=move_id, incarnation=incarnation, now_ms=now)
+
+            out = await self.ledger.transition("record", host, "source-parked", stamp, causation=move_id)
+            if isinstance(out, Refusal):
+                return StepReport(False, out.reason)
+            if not isinstance(out, Committed | NoChange):
+                return StepReport(False, "another writer changed the record; the step runs again")
+            self._fault("after_source_parked")
+
+        def drop(cur: Claim | None) -> Claim | NoChange | Refusal:
+            return decide_drop_obligation(cur, move_id=move_id, kind=kind, owner=self.box, quiet_until=quiet_until)
+
+        dropped = await self.ledger.transition("claim", host, f"{kind}-acknowledged", drop, causation=move_id)
+        if isinstance(dropped, Refusal):
+            return StepReport(False, dropped.reason)
+        if not isinstance(dropped, Committed | NoChange):
+            return StepReport(False, "another writer changed the claim; the step runs again")
+        await self._fact("park-acknowledged", host, f"{move_id}:{kind}:{self.box}",
+                         {"move": move_id, "obligation": kind, "events": list(outcome.events),
+                          "listed_at": outcome.listed_at})
+        return await self.close(host, move_id)
+
+    async def close(self, host: str, move_id: str) -> StepReport:
+        """§7.9 step 5: record first, then the claim's release (K8). Harmless to call at any time."""
+        claim = (await self.ledger.read_claim(host)).state
+        now = self.ledger.clock.now_ms()
+
+        def close_record(cur: Record | None) -> Record | NoChange | Refusal:
+            return decide_close(cur, claim, move_id=move_id, now_ms=now)
+
+        out = await self.ledger.transition("record", host, "move-done", close_record, causation=move_id)
+        if isinstance(out, Refusal):
+            return StepReport(False, out.reason)
+        if isinstance(out, NoChange) and out.reason != "the record is already closed":
+            return StepReport(True, out.reason)  # this box's part is over; the other participant closes
+        if not isinstance(out, Committed | NoChange):
+            return StepReport(False, "another writer changed the record; the close runs again")
+        if isinstance(out, Committed):
+            await self._fact("move-done", host, f"{move_id}:done", {"move": move_id, "outcome": "done"})
+        self._fault("after_record_close")
+        record = (await self.ledger.read_record(host)).state
+
+        def release(cur: Claim | None) -> Claim | NoChange | Refusal:
+            return claim_half(cur, record)
+
+        rel = await self.ledger.transition("claim", host, "release", release, causation=move_id)
+        if isinstance(rel, Refusal):
+            return StepReport(False, rel.reason)
+        if not isinstance(rel, Committed | NoChange):
+            return StepReport(False, "another writer changed the claim; the release runs again")
+        return StepReport(True, "closed: last_move done, the claim serves on the target")
+
+    async def _fact(self, kind: str, host: str, fact_id: str, payload: dict[str, object]) -> None:
+        if self.events is None:
+            return
+        fact = Fact(kind=kind, subject=host, id=fact_id, actor=self.ledger.actor, at=self.ledger.clock.now_ms(),
+                    payload=payload)
+        try:
+            await publish_fact(self.events, fact)
+        except LogError as exc:  # the authority already holds the step; the fact is for observers
+            log.warning("fact %s for %s not published: %s", kind, host, exc)
