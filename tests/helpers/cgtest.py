@@ -12,7 +12,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
-from services.box.proctree import AGENT_LEAF, CgroupTree, current_cgroup_dir, find_cgroup2_root
+from services.box.agentcg import scrub as agent_scrub
+from services.box.proctree import CgroupTree, current_cgroup_dir, find_cgroup2_root
 
 FORKER = Path(__file__).with_name("forker.py")
 T = TypeVar("T")
@@ -63,35 +64,9 @@ def forker(*args: str) -> list[str]:
     return [sys.executable, str(FORKER), *args]
 
 
-def _pids(d: Path) -> list[int]:
-    try:
-        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def _drained(leaf: Path) -> Callable[[], bool]:
-    return lambda: "populated 0" in (leaf / "cgroup.events").read_text()
-
-
 def scrub(tree: CgroupTree, home: Path) -> None:
-    """Leave nothing behind: this process back in ``home``, every leaf killed, drained and removed."""
-    base = tree.base
-    assert base is not None
-    if not base.is_dir():
-        return
-    agent = base / AGENT_LEAF
-    if os.getpid() in _pids(agent):
-        (home / "cgroup.procs").write_text(f"{os.getpid()}\n")
-    for leaf in sorted(p for p in base.iterdir() if p.is_dir()):
-        with suppress(FileNotFoundError):
-            (leaf / "cgroup.kill").write_text("1")
-            wait_for(_drained(leaf), f"{leaf} to drain in clean-up")
-            leaf.rmdir()
-    tree.reap()
-    base.rmdir()
-    with suppress(OSError):
-        base.parent.rmdir()  # other boxes (or other test runs) may still have groups here
+    """Leave nothing behind (the box agent's own clean-up, :func:`services.box.agentcg.scrub`)."""
+    agent_scrub(tree, home)
 
 
 @contextmanager
