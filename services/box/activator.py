@@ -300,6 +300,7 @@ class Activator:
                 files_dir = self.ctx.files_dir(host)
                 if files_dir.exists():  # the carried files now belong to this installation (retag)
                     write_files_gen(files_dir, claim.holder.generation, claim.holder.incarnation)
+                self._tag_installation(g, claim)
                 return started
             except StartCheckRefused as exc:
                 await self._stop_tree(host)
@@ -358,6 +359,19 @@ class Activator:
         writes_lost = bool(holder.admissions and holder.admissions[-1].writes_lost is not None)
         return Started(host, holder.session, holder.generation, baseline, restored_txid, port, spawned.pid,
                        writes_lost)
+
+    def installation_artifacts(self, host: str) -> dict[str, Path]:
+        """The local artifacts of an installation (§6.1): the database, its WAL, SHM and ``.gen``, the files."""
+        db = self.ctx.db_path(host)
+        return {"db": db, "db-wal": Path(f"{db}-wal"), "db-shm": Path(f"{db}-shm"), "db-gen": db.with_suffix(".gen"),
+                "files": self.ctx.files_dir(host)}
+
+    def _tag_installation(self, g: Guarded, claim: Claim) -> None:
+        """Tag the installation's artifacts with its stamp (§6.4), so ``retire-installation`` parks them."""
+        holder = claim.holder
+        assert holder is not None
+        for name, path in self.installation_artifacts(claim.host).items():
+            self.ctx.stamps.tag(g, holder.incarnation, name, path, holder.stamp)
 
     async def _start_check(self, claim: Claim) -> None:
         """§5.1 "The start check" before every spawn (INV-4): the markers must name what the claim expects."""

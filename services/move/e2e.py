@@ -17,10 +17,6 @@ Seams adapted here rather than in the runners (each is a change proposed to the 
   the cut's versions only, so the landing never reads this one. The cut's ``stage_files`` writes
   ``files/manifest.json`` create-only, so the round's objects are withdrawn (by exact version) before the cut
   reaches ``archived``: :meth:`MoveRun.withdraw_round_archive`.
-- **Local park of the source.** The activator records the installation stamp at admission but tags none of
-  the host's local artifacts, so the finalizer's ``retire-installation`` (§6.4) would park nothing. The glue
-  tags the database, its WAL, SHM and ``.gen`` and the files directory with the active stamp just before the
-  local park: :meth:`MoveRun._tag_installation`.
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
@@ -42,7 +36,6 @@ from events.record import Record
 from services.box.activator import Activator, BoxContext
 from services.box.archive import ArchiveError, build_archive, manifest_bytes
 from services.box.evidence import LeaseObservation, lease_file_check
-from services.box.guard import host_guard
 from services.box.sealing import PrivateKey
 from services.box.timers import Timers
 from services.door.api import Door
@@ -205,34 +198,8 @@ class MoveRun:
         async def read_claim() -> Claim | None:
             return (await ledger.read_claim(host)).state
 
-        await self._tag_installation(host, read_claim)
         return await LocalRetirement(ctx.box_dir, ctx.stamps, ctx.registry, self.source.timers, read_claim,
                                      ctx.clock)(host, move_id)
-
-    async def _tag_installation(self, host: str, read_claim: Callable[[], Awaitable[Claim | None]]) -> list[str]:
-        """Tag the source installation's local artifacts with its active stamp (§6.4) where the box has not:
-        the activator records the stamp at admission but tags no artifact, so ``retire-installation`` would
-        park nothing and leave the database on the source's disk (the seam in the module doc). Only what is
-        untagged and exists is tagged; an installation without an active stamp is left alone."""
-        ctx = self.source.ctx
-        db = ctx.db_path(host)
-        paths = {"db": db, "db-wal": Path(f"{db}-wal"), "db-shm": Path(f"{db}-shm"), "db-gen": db.with_suffix(".gen"),
-                 "files": ctx.files_dir(host)}
-        tagged: list[str] = []
-        async with host_guard(ctx.box_dir, host, read_claim, clock=ctx.clock) as guarded:
-            claim = guarded.claim
-            if claim is None or claim.holder is None:
-                return tagged
-            incarnation = claim.holder.incarnation
-            record = ctx.stamps.record(host, incarnation)
-            if record is None or record.active_stamp is None:
-                return tagged
-            known = {a.name for a in ctx.stamps.artifacts(host, incarnation)}
-            for name, path in paths.items():
-                if name not in known and os.path.lexists(path):
-                    ctx.stamps.tag(guarded, incarnation, name, path, record.active_stamp)
-                    tagged.append(name)
-        return tagged
 
     def _lease(self, host: str) -> Callable[[], LeaseObservation]:
         """§5.3 step 4: the instance's lease file beside its files; the sample app holds none, so it reads as
