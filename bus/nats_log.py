@@ -150,7 +150,7 @@ class NatsEventLog:
             while True:
                 try:
                     msgs = await sub.fetch(batch, timeout=1.0)
-                except NatsTimeout:
+                except (NatsTimeout, TimeoutError):
                     return
                 done = False
                 for m in msgs:

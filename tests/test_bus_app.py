@@ -91,3 +91,15 @@ async def test_exceptions_are_nacked_with_backoff_then_alerted(
     finally:
         await broker.stop()
         await log.close()
+
+
+async def test_replay_of_an_empty_subject_in_a_busy_stream_ends_cleanly(
+    stack: StackInfo, unique: Callable[[str], str]
+) -> None:
+    """A filtered replay whose subject has no message must end, not raise (the fetch times out)."""
+    log = await NatsEventLog.connect(stack.nats_url)
+    try:
+        await log.publish(FACTS_STREAM, fact_subject("test", unique("other")), b"x")
+        assert [m async for m in log.replay(FACTS_STREAM, subject=fact_subject("test", unique("none")))] == []
+    finally:
+        await log.close()
