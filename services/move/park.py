@@ -288,9 +288,10 @@ class Parker:
         await self._delete_set(plan)
 
     async def _delete_set(self, manifest: ParkManifest) -> None:
+        if not rules.on("park-exact-versions"):  # the mutation: bare-key deletes, one per key (markers pile up)
+            for key in sorted({d.key for d in manifest.deletion}):
+                await self.store.delete(self.bucket, key)
+            return
         for d in manifest.deletion:
-            if rules.on("park-exact-versions"):
-                await self.store.delete(self.bucket, d.key, version_id=d.version_id)
-            else:
-                await self.store.delete(self.bucket, d.key)
+            await self.store.delete(self.bucket, d.key, version_id=d.version_id)
             self._fault("after_delete")
