@@ -62,7 +62,7 @@ async def _audit(args: argparse.Namespace) -> int:
 
     rt = await open_runtime(load_settings(Path(args.root)), "audit", probe=False)
     try:
-        check = await run_audit(rt.events, rt.ledger, host=args.host)
+        check = await run_audit(rt.events, rt.ledger, host=args.host, protocol=not args.no_protocol)
     finally:
         await rt.close()
     for finding in check.findings:
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit", help="replay the ledger stream and check it against S3")
     au.add_argument("--host")
     au.add_argument("--strict", action="store_true", help="fail on rebase notices too")
+    au.add_argument("--no-protocol", action="store_true",
+                    help="skip the protocol checks (transition tables, K3, K4, K8): history and drift only")
     sv = sub.add_parser("serve", help="run a service")
     sv.add_argument("service", choices=SERVICES)
     sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")

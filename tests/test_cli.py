@@ -24,6 +24,7 @@ from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Claim, Op
 from hostmove.ports import WallClock
 from hostmove.stackinfo import StackInfo
+from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, object_key
 from services.objstore.port import Got
 from services.objstore.s3 import S3Store
@@ -95,8 +96,13 @@ async def test_audit_is_clean_then_names_an_out_of_band_edit(
 ) -> None:
     host = f"{unique('audit')}.example.com"
     ledger = ledger_for(parts)
-    for p in "abc":
-        assert isinstance(await ledger.transition("claim", host, f"s{p}", serving(p)), Committed)
+    assert isinstance(await create_host(ledger, host, box="ie-1", region="ie", incarnation="ab" * 32), Committed)
+
+    def note(cur: Claim | None) -> Claim:
+        assert cur is not None
+        return msgspec.structs.replace(cur, inventory={"c": 1})
+
+    assert isinstance(await ledger.transition("claim", host, "inventory", note), Committed)
     out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3 events" in out.stdout and "clean" in out.stdout
@@ -109,6 +115,25 @@ async def test_audit_is_clean_then_names_an_out_of_band_edit(
     out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
     assert out.returncode == 1
     assert f"ERROR claim {host}" in out.stdout and "changed outside the ledger" in out.stdout
+
+
+async def test_audit_checks_the_protocol(
+    cli_env: dict[str, str], parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
+) -> None:
+    """A claim that jumps from serving to landing (no move, no flip) breaks the protocol's tables."""
+    host = f"{unique('jump')}.example.com"
+    ledger = ledger_for(parts)
+    assert isinstance(await create_host(ledger, host, box="ie-1", region="ie", incarnation="ab" * 32), Committed)
+
+    def jump(cur: Claim | None) -> Claim:
+        assert cur is not None
+        return msgspec.structs.replace(cur, op=msgspec.structs.replace(cur.op, kind="landing"))
+
+    assert isinstance(await ledger.transition("claim", host, "jump", jump), Committed)
+    out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
+    assert out.returncode == 1 and "[claim-kind]" in out.stdout, out.stdout
+    history_only = await asyncio.to_thread(run_cli, ["audit", "--host", host, "--no-protocol"], cli_env)
+    assert history_only.returncode == 0, history_only.stdout
 
 
 async def test_missing_configuration_is_a_clear_refusal(tmp_path: Path) -> None:

@@ -111,13 +111,30 @@ class HistoryCheck:
         return not any(f.severity == "error" or strict for f in self.findings)
 
 
-async def run_audit(events: EventLog, ledger: Ledger, *, host: str | None = None) -> HistoryCheck:
-    """Replay the stream (all of it, or one host's two subjects) and compare with S3."""
+async def run_audit(
+    events: EventLog, ledger: Ledger, *, host: str | None = None, protocol: bool = True
+) -> HistoryCheck:
+    """Replay the stream (all of it, or one host's two subjects) and compare with S3. With ``protocol``,
+    every transition is also checked against the protocol's tables, K3, K4 and K8
+    (:class:`services.ledger.protocol.ProtocolCheck`); its findings join the audit's."""
+    from services.ledger.protocol import ProtocolCheck
+
     check = HistoryCheck()
     subjects = [ledger_subject("claim", host), ledger_subject("record", host)] if host else [None]
+    messages = []
     for subject in subjects:
         async for msg in events.replay(LEDGER_STREAM, subject=subject):
             check.feed(msg)
+            messages.append(msg)
+    if protocol:
+        rules = ProtocolCheck()
+        for msg in sorted(messages, key=lambda m: m.seq):  # one host's two subjects, merged in stream order
+            try:
+                event = decode(msg.data, Transition)
+            except DurableValueError:
+                continue  # already reported by the history check
+            rules.feed(event, msg.seq)
+        check.findings.extend(Finding(f.severity, f.object, f.host, f.what) for f in rules.findings)
     objects: set[tuple[str, str]] = set(check.tracks)
     if host is not None:
         objects |= {("claim", host), ("record", host)}
