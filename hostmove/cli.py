@@ -5,6 +5,7 @@
     hostmove audit [--host H]          replay the ledger stream and check it against S3
     hostmove probe                     run the object-store conformance probe
     hostmove demo                      the main job on the embedded default
+    hostmove move --host H --to R      ask the door to move a host (also: move status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
 
 Exit codes: 0 done, 1 a finding or refusal, 2 bad usage or configuration, 3 the store failed the
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--label", required=True)
     bi.add_argument("--region", required=True)
     bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: generated once")
+    from hostmove import move_cli
+
+    move_cli.add_parser(sub)
     hs = sub.add_parser("host", help="manage hosts")
     hs_sub = hs.add_subparsers(dest="host_action", required=True)
     hc = hs_sub.add_parser("create", help="create a host on a box through its claim")
@@ -186,8 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
+        from hostmove import move_cli
+
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "box": _box,
-                  "host": _host}[args.command]
+                  "host": _host, "move": move_cli.run}[args.command]
         return asyncio.run(runner(args))
     except ConfigError as exc:
         print(f"hostmove: {exc}", file=sys.stderr)

@@ -1,0 +1,549 @@
+"""``hostmove move``: the operator's command line for moves, a client of the door's HTTP API (spec §12).
+
+    hostmove move --host H --to R [--manual-cut] [--no-wait] [--timeout S]
+    hostmove move status --host H [--json]
+    hostmove move cut --host H
+    hostmove move abort --host H
+
+Configuration from the environment: ``HOSTMOVE_DOOR_URL`` (default ``http://127.0.0.1:8081``) and
+``HOSTMOVE_TOKEN`` (the operator token; never printed, never in an error message).
+
+Exit codes (§12): 0 done, 3 rolled back (or aborted: the host stayed where it was), 4 stuck or still
+waiting at the deadline, 5 refused (the door did not carry the request out; its sentence is printed),
+2 bad usage or configuration (no token, a door that cannot be reached or does not answer as the door).
+
+The shape (ARCHITECTURE §3): the pure core (:func:`milestones`, :func:`outcome`, :func:`timings`,
+:func:`status_lines`) turns the door's status JSON into sentences and exit codes; :class:`DoorClient`
+and :func:`run` are the thin shell (HTTP, the clock port, printing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import aiohttp
+
+from hostmove.copy import say
+from hostmove.ports import Clock, WallClock
+
+ENV_URL = "HOSTMOVE_DOOR_URL"
+ENV_TOKEN = "HOSTMOVE_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8081"
+
+EXIT_DONE = 0
+EXIT_CONFIG = 2
+EXIT_ROLLED_BACK = 3
+EXIT_WAITING = 4
+EXIT_REFUSED = 5
+
+DEFAULT_TIMEOUT_S = 3600.0
+"""``--wait``'s default deadline: preparing alone may take many minutes, and the close waits for the
+late-completion horizon (§5.3, 15 min + the longest request) before it parks."""
+DEFAULT_INTERVAL_S = 1.0
+REQUEST_TIMEOUT_S = 30.0
+PREPARE_BUDGET_S = 3600.0
+"""§13 paging: ``preparing`` with no promotable round for 60 minutes is a warning; the CLI shows that
+hour as the prepare budget."""
+
+
+class ConfigProblem(Exception):
+    """The CLI's configuration is missing or wrong; the message says what to set (never a token)."""
+
+
+class DoorUnreachable(Exception):
+    """The door could not be reached, or answered with something that is not the door's JSON."""
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    url: str
+    token: str = field(repr=False)
+
+    def __repr__(self) -> str:  # the token never reaches a log or a traceback
+        return f"DoorConfig(url={redact_url(self.url)!r})"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without any user or password it carries (they would be secrets)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def load_config(environ: Mapping[str, str]) -> DoorConfig:
+    """``HOSTMOVE_DOOR_URL`` and ``HOSTMOVE_TOKEN`` (§12: every move mutation needs an operator token)."""
+    url = environ.get(ENV_URL, "").strip() or DEFAULT_URL
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigProblem(f"{ENV_URL} must be an http:// or https:// URL of the door, not {redact_url(url)!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigProblem(f"{ENV_URL} must not carry a user or password ({redact_url(url)!r}); "
+                            f"the operator token goes in {ENV_TOKEN}")
+    token = environ.get(ENV_TOKEN, "")
+    if not token:
+        raise ConfigProblem(f"set {ENV_TOKEN} to your operator token: the door answers nothing without one (§12)")
+    if any(ch.isspace() or not ch.isprintable() for ch in token):
+        raise ConfigProblem(f"{ENV_TOKEN} holds a space, a newline or a control character, which a bearer token "
+                            "cannot carry; set it to the token alone")
+    return DoorConfig(url=url.rstrip("/"), token=token)
+
+
+# -- the door's client (the shell) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def reason(self) -> str:
+        return str(self.body.get("reason") or self.body.get("message") or f"the door answered {self.status}")
+
+
+class DoorClient:
+    """The door's four move routes over HTTP with the bearer token (services/door/api.py)."""
+
+    def __init__(self, config: DoorConfig, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.session = session
+
+    def _path(self, host: str, tail: str = "") -> str:
+        return f"{self.config.url}/v1/hosts/{quote(host, safe='')}/move{tail}"
+
+    async def _call(self, method: str, url: str, body: dict[str, Any] | None = None,
+                    timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
+        headers = {"Authorization": f"Bearer {self.config.token}", "Accept": "application/json"}
+        where = redact_url(self.config.url)
+        try:
+            async with self.session.request(method, url, json=body, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=max(timeout_s, 0.1))) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise DoorUnreachable(f"could not reach the door at {where} ({_why(exc)}); "
+                                  f"is it running, and is {ENV_URL} right?") from None
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise DoorUnreachable(f"the server at {where} answered {status} with something that is not the door's "
+                                  f"JSON; is {ENV_URL} the door's address?")
+        return Reply(status, parsed)
+
+    async def request_move(self, host: str, to: str, cut: str) -> Reply:
+        return await self._call("POST", self._path(host), {"to": to, "cut": cut})
+
+    async def status(self, host: str, timeout_s: float = REQUEST_TIMEOUT_S) -> Reply:
+        return await self._call("GET", self._path(host) + "?detail=1", timeout_s=timeout_s)
+
+    async def cut(self, host: str) -> Reply:
+        return await self._call("POST", self._path(host, "/cut"))
+
+    async def abort(self, host: str) -> Reply:
+        return await self._call("POST", self._path(host, "/abort"))
+
+
+def _why(exc: BaseException) -> str:
+    """A connection failure in plain words, without headers (the token rides in one)."""
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return exc.os_error.strerror or type(exc.os_error).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__
+
+
+# -- the pure core: sentences, outcomes, timings (§12, §13, §20) ----------------------------------
+
+
+def _move(view: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The live move with every field (``detail.move``) if the door gave it, else the summary."""
+    detail = view.get("detail")
+    if isinstance(detail, dict) and isinstance(detail.get("move"), dict):
+        return detail["move"]
+    move = view.get("move")
+    return move if isinstance(move, dict) else None
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def _clause(text: str) -> str:
+    return text.strip().rstrip(".")
+
+
+def _secs(ms: int | float) -> str:
+    return f"{ms / 1000:.1f}".rstrip("0").rstrip(".")
+
+
+def offline_ms(move: Mapping[str, Any]) -> int | None:
+    """§13 offline: ``cut_at`` to the open, or to the source's reopen after a rollback."""
+    cut_at = move.get("cut_at")
+    rollback = move.get("rollback") or {}
+    end = move.get("opened_at") or rollback.get("opened_at")
+    if cut_at is None or end is None:
+        return None
+    return int(end) - int(cut_at)
+
+
+@dataclass
+class Watch:
+    """What ``--wait`` has printed and the last full move it saw (the close clears ``move``)."""
+
+    host: str
+    move_id: str
+    seen: set[str] = field(default_factory=set)
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+def milestones(view: Mapping[str, Any], watch: Watch, now_ms: int) -> list[tuple[str, str]]:
+    """``(key, sentence)`` for every step ``view`` shows of the watched move, in order (§20 M-C2..M-C13;
+    the door's own line where §20 has none). The caller prints the keys it has not printed yet."""
+    host = watch.host
+    out: list[tuple[str, str]] = []
+    move = _move(view)
+    claim = view.get("claim") or {}
+    if claim.get("kind") == "relocating":
+        out.append((f"door:{view.get('copy')}", str(view.get("message", ""))))
+    if move is not None and move.get("id") == watch.move_id:
+        watch.last = dict(move)
+        src, dst = str(move.get("from", "")), str(move.get("to", ""))
+        state, cut_phase = move.get("state"), move.get("cut_phase", "")
+        reason = str(move.get("reason") or "")
+        rollback = move.get("rollback") or {}
+        if state == "preparing":
+            out += [("preparing", say("M-C2", host=host)), ("checking", say("M-C3", to_region=dst, host=host))]
+        elif state == "ready":
+            out.append(("ready", say("M-C12", host=host) if move.get("cut") == "manual" else say("M-S4", host=host)))
+        elif state == "cutting" and cut_phase == "requested":  # the operator's cut, or the auto cut (§7.4)
+            manual = move.get("cut") == "manual"
+            out.append(("cut-requested", say("M-S1", host=host)) if manual else ("ready", say("M-S4", host=host)))
+        elif state == "cutting":
+            budget = move.get("cut_budget_s") or 0
+            estimate = f"{_secs(budget * 1000)} seconds at most (its cut window)" if budget else "its cut window"
+            out.append(("cutting", say("M-C5", host=host, estimate=estimate)))
+        elif state in ("landing", "committed", "done"):
+            out.append(("landing", say("M-C6", from_region=src, to_region=dst)))
+            off = offline_ms(move)
+            if move.get("opened_at") is not None and off is not None:
+                out.append(("moved", say("M-C7", host=host, to_region=dst, seconds=_secs(off))))
+        elif state in ("rolling_back", "restoring", "rolled_back"):
+            why = _clause(str(rollback.get("reason") or reason or "no reason was recorded"))
+            out.append(("rollback", say("M-C8", to_region=dst, host=host, reason=why, from_region=src)))
+            deadline = rollback.get("release_deadline")
+            if state == "rolling_back" and deadline is not None and now_ms > int(deadline):
+                box = _target_box(claim)
+                out.append(("waiting-release", say("M-C10", box=box, region=dst, host=host)))
+            if rollback.get("opened_at") is not None:
+                out.append(("back", say("M-C9", host=host, from_region=src)))
+        elif state == "stuck":
+            out.append(("stuck", say("M-C11", host=host, to_region=dst, from_region=src)))
+        else:  # reverting, aborted: the door's line (M-S2, M-S7)
+            out.append((f"state:{state}", str(view.get("message", ""))))
+        if reason and state not in ("stuck", "rolling_back", "restoring", "rolled_back"):  # M-C8 carries it
+            out.append((f"reason:{reason}", _sentence(reason)))
+    last = view.get("last_move") or {}
+    if move is None and last.get("id") == watch.move_id:
+        outcome_ = last.get("outcome")
+        dst, src = str(watch.last.get("to", "")), str(watch.last.get("from", ""))
+        off = offline_ms(watch.last) if watch.last else None
+        if outcome_ == "done" and off is not None and dst:
+            out.append(("moved", say("M-C7", host=host, to_region=dst, seconds=_secs(off))))
+        elif outcome_ == "rolled_back" and src:
+            out.append(("back", say("M-C9", host=host, from_region=src)))
+        out.append(("closed", say("M-S5", host=host, move_id=watch.move_id, outcome=str(outcome_).replace("_", " "))))
+    return out
+
+
+def _target_box(claim: Mapping[str, Any]) -> str:
+    parts = claim.get("participants") or []
+    return str(parts[1]) if len(parts) > 1 else "the target box"
+
+
+def outcome(view: Mapping[str, Any], move_id: str) -> int | None:
+    """The exit code once the move has an outcome (§12), else ``None``: still going."""
+    move = _move(view)
+    if move is not None and move.get("id") == move_id and move.get("state") == "stuck":
+        return EXIT_WAITING
+    last = view.get("last_move") or {}
+    if move is None and last.get("id") == move_id:
+        return {"done": EXIT_DONE, "rolled_back": EXIT_ROLLED_BACK, "aborted": EXIT_ROLLED_BACK}.get(
+            str(last.get("outcome")), EXIT_WAITING)
+    return None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One §13 timing: ``elapsed_ms`` (None: not started), whether it still runs, and its budget."""
+
+    name: str
+    elapsed_ms: int | None
+    running: bool
+    budget_s: float | None
+
+    @property
+    def over(self) -> bool:
+        return self.elapsed_ms is not None and self.budget_s is not None and self.elapsed_ms > self.budget_s * 1000
+
+    def line(self) -> str:
+        budget = f"budget {_secs(self.budget_s * 1000)} s" if self.budget_s is not None else "no budget yet"
+        if self.elapsed_ms is None:
+            took = "not started"
+        elif self.running:
+            took = f"{_secs(self.elapsed_ms)} s so far"
+        else:
+            took = f"{_secs(self.elapsed_ms)} s"
+        flag = ", OVER BUDGET" if self.over else ""
+        return f"  {self.name:<8} {took} ({budget}{flag})"
+
+
+def _span(start: Any, end: Any, now_ms: int, running: bool) -> tuple[int | None, bool]:
+    if start is None:
+        return None, False
+    if end is not None:
+        return int(end) - int(start), False
+    if running:
+        return max(0, now_ms - int(start)), True
+    return None, False
+
+
+def timings(move: Mapping[str, Any], now_ms: int) -> list[Timing]:
+    """§13: prepare (``requested_at`` to ``ready_at``, budget 60 min), cut (``cut_at`` to ``flipped_at``,
+    budget ``cut_deadline - cut_at``), land (``flipped_at`` to the target's open or the rollback, budget
+    ``landing_deadline - flipped_at``), offline (``cut_at`` to the open or the source's reopen, budget the
+    cut window ``cut_budget_s``, the M2 promise)."""
+    state = move.get("state")
+    rollback = move.get("rollback") or {}
+    cut_at, flipped_at = move.get("cut_at"), move.get("flipped_at")
+    prep = _span(move.get("requested_at"), move.get("ready_at"), now_ms, state == "preparing")
+    cut = _span(cut_at, flipped_at, now_ms, state == "cutting")
+    land_end = move.get("opened_at") or rollback.get("requested_at")
+    land = _span(flipped_at, land_end, now_ms, state in ("landing", "committed"))
+    off_end = move.get("opened_at") or rollback.get("opened_at")
+    off = _span(cut_at, off_end, now_ms, state not in ("stuck", "aborted", "done", "rolled_back"))
+    cut_budget = (int(move["cut_deadline"]) - int(cut_at)) / 1000 if cut_at and move.get("cut_deadline") else None
+    deadline = move.get("landing_deadline")
+    land_budget = (int(deadline) - int(flipped_at)) / 1000 if flipped_at and deadline else None
+    window = float(move.get("cut_budget_s") or 0) or None
+    return [
+        Timing("prepare", *prep, PREPARE_BUDGET_S),
+        Timing("cut", *cut, cut_budget),
+        Timing("land", *land, land_budget),
+        Timing("offline", *off, window),
+    ]
+
+
+def _when(ms: Any) -> str:
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(int(ms) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
+    """``hostmove move status``: the door's sentence, the phase, the reasons, and the §13 timings."""
+    lines = [str(view.get("message", ""))]
+    claim = view.get("claim")
+    if isinstance(claim, dict):
+        parts = ", ".join(claim.get("participants") or []) or "none"
+        lines.append(f"claim: {claim.get('kind')} (phase {claim.get('phase') or '-'}), exec {claim.get('exec')}, "
+                     f"participants {parts}")
+    move = _move(view)
+    if move is not None:
+        lines.append(f"move {move.get('id')}: {move.get('from')} to {move.get('to')}, cut {move.get('cut')}, "
+                     f"requested by {move.get('requested_by') or '-'} at {_when(move.get('requested_at'))}")
+        lines.append(f"phase: {move.get('state')}, cut phase {move.get('cut_phase') or '-'}, "
+                     f"landing phase {move.get('landing_phase') or '-'}")
+        rollback = move.get("rollback") or {}
+        if rollback:
+            lines.append(f"rollback {rollback.get('id')}: target phase {rollback.get('target_phase') or '-'}, "
+                         f"source phase {rollback.get('source_phase') or '-'}")
+        reasons = [str(r) for r in (move.get("reason"), rollback.get("reason")) if r]
+        for reason in dict.fromkeys(reasons):
+            lines.append(f"reason: {reason}")
+        lines.append("timings (§13):")
+        lines += [t.line() for t in timings(move, now_ms)]
+    last = view.get("last_move")
+    if isinstance(last, dict):
+        lines.append(f"last move: {last.get('id')} ended {last.get('outcome')} at {_when(last.get('at'))}")
+    if move is None:
+        lines.append("timings: shown while a move is live; the move log (§13) keeps a closed move's")
+    return lines
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``move`` and its actions (``status``, ``cut``, ``abort``) to ``subparsers`` (spec §12 CLI)."""
+    mv = subparsers.add_parser(
+        "move", help="move a host to another region, or show, cut or abort its move",
+        description="Request a move (default: wait and show progress). Exit 0 done, 3 rolled back or aborted, "
+                    f"4 stuck or still waiting, 5 refused, 2 bad configuration. Environment: {ENV_URL} "
+                    f"(default {DEFAULT_URL}), {ENV_TOKEN} (the operator token).")
+    mv.add_argument("--host", help="the host to move")
+    mv.add_argument("--to", help="the region to move it to")
+    mv.add_argument("--manual-cut", action="store_true",
+                    help="stop at ready and cut on `hostmove move cut` (default: cut on its own)")
+    wait = mv.add_mutually_exclusive_group()
+    wait.add_argument("--wait", dest="wait", action="store_true", default=True,
+                      help="follow the move until it ends (the default)")
+    wait.add_argument("--no-wait", dest="wait", action="store_false", help="return once the move is accepted")
+    mv.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help=f"seconds --wait follows the move before exiting 4 (default {DEFAULT_TIMEOUT_S:g})")
+    mv.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
+                    help=f"seconds between status reads while waiting (default {DEFAULT_INTERVAL_S:g})")
+    actions = mv.add_subparsers(dest="move_action", required=False, metavar="{status,cut,abort}")
+    st = actions.add_parser("status", help="the move's phase, reasons and timings")
+    st.add_argument("--host", required=True)
+    st.add_argument("--json", action="store_true", help="print the door's JSON as it answered")
+    for name, text in (("cut", "cut a manual move that is ready"),
+                       ("abort", "abort a move in preparing, ready, or with its cut only requested")):
+        p = actions.add_parser(name, help=text)
+        p.add_argument("--host", required=True)
+
+
+def _print(text: str, stream: TextIO) -> None:
+    print(text, file=stream, flush=True)
+
+
+def _refused(reply: Reply, err: TextIO) -> int:
+    if reply.body.get("copy") == "M-R1":
+        _print(f"The door answered Not found: it gives that answer to any request without a valid operator token. "
+               f"Check {ENV_TOKEN} (a status-only token cannot request, cut or abort).", err)
+    else:
+        _print(reply.reason, err)
+    return EXIT_REFUSED
+
+
+async def run(args: argparse.Namespace, *, clock: Clock | None = None,
+              environ: Mapping[str, str] | None = None) -> int:
+    """Run ``hostmove move ...`` from parsed ``args``; returns the exit code (§12)."""
+    out, err = sys.stdout, sys.stderr
+    clock = clock or WallClock()
+    action = getattr(args, "move_action", None)
+    if not getattr(args, "host", None):
+        _print("hostmove move: --host is required", err)
+        return EXIT_CONFIG
+    if action is None and not getattr(args, "to", None):
+        _print("hostmove move: --to is required to request a move (or use status, cut or abort)", err)
+        return EXIT_CONFIG
+    if action is None and (args.timeout < 0 or args.interval <= 0):
+        _print("hostmove move: --timeout must be 0 or more and --interval more than 0 seconds", err)
+        return EXIT_CONFIG
+    try:
+        config = load_config(os.environ if environ is None else environ)
+    except ConfigProblem as exc:
+        _print(f"hostmove move: {exc}", err)
+        return EXIT_CONFIG
+    async with aiohttp.ClientSession() as session:
+        door = DoorClient(config, session)
+        try:
+            if action == "status":
+                return await _status(door, args, clock, out, err)
+            if action in ("cut", "abort"):
+                reply = await (door.cut(args.host) if action == "cut" else door.abort(args.host))
+                if not reply.ok:
+                    return _refused(reply, err)
+                note = "" if reply.body.get("changed", True) else " (it already was)"
+                _print(str(reply.body.get("message", "")) + note, out)
+                return EXIT_DONE
+            return await _request(door, args, clock, out, err)
+        except DoorUnreachable as exc:
+            _print(f"hostmove move: {exc}", err)
+            return EXIT_CONFIG
+
+
+async def _status(door: DoorClient, args: argparse.Namespace, clock: Clock, out: TextIO, err: TextIO) -> int:
+    reply = await door.status(args.host)
+    if not reply.ok:
+        return _refused(reply, err)
+    if getattr(args, "json", False):
+        _print(json.dumps(reply.body, indent=2, sort_keys=True), out)
+    else:
+        for line in status_lines(reply.body, clock.now_ms()):
+            _print(line, out)
+    return EXIT_DONE
+
+
+async def _request(door: DoorClient, args: argparse.Namespace, clock: Clock, out: TextIO, err: TextIO) -> int:
+    host = args.host
+    reply = await door.request_move(host, args.to, "manual" if args.manual_cut else "auto")
+    if not reply.ok:
+        return _refused(reply, err)
+    move = reply.body.get("move") or {}
+    move_id = str(move.get("id", ""))
+    _print(say("M-C1", host=host, from_region=move.get("from", "?"), to_region=move.get("to", args.to)), out)
+    if not reply.body.get("started", True):
+        _print(f"(This move, {move_id}, was already requested; following it.)", out)
+    if not args.wait:
+        return EXIT_DONE
+    return await follow(door, host, move_id, reply.body, clock, timeout_s=args.timeout,
+                        interval_s=args.interval, out=out, err=err)
+
+
+async def follow(door: DoorClient, host: str, move_id: str, first: Mapping[str, Any], clock: Clock, *,
+                 timeout_s: float, interval_s: float, out: TextIO, err: TextIO) -> int:
+    """``--wait`` (§12): read the status until the move has an outcome or ``timeout_s`` passes; print each
+    new step once. A failed read is retried until the deadline (the move goes on without us)."""
+    watch = Watch(host, move_id)
+    deadline = clock.monotonic() + timeout_s
+    view: Mapping[str, Any] = first
+    trouble = ""
+    while True:
+        for key, sentence in milestones(view, watch, clock.now_ms()):
+            if key not in watch.seen and sentence:
+                watch.seen.add(key)
+                _print(sentence, out)
+        code = outcome(view, move_id)
+        if code is not None:
+            return code
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            break
+        await clock.sleep(min(interval_s, left))
+        try:
+            reply = await door.status(host, timeout_s=min(REQUEST_TIMEOUT_S, max(deadline - clock.monotonic(), 1.0)))
+        except DoorUnreachable as exc:
+            if str(exc) != trouble:
+                trouble = str(exc)
+                _print(f"hostmove move: {trouble}; retrying until the deadline", err)
+            continue
+        if not reply.ok:
+            if reply.reason != trouble:
+                trouble = reply.reason
+                _print(f"hostmove move: the status read failed: {trouble}", err)
+            continue
+        trouble = ""
+        view = reply.body
+    state = (watch.last or {}).get("state", "unknown")
+    _print(f"Still waiting after {_secs(timeout_s * 1000)} s: the move {move_id} of {host} is {state}. It goes on "
+           f"without this command; follow it with hostmove move status --host {host}.", err)
+    return EXIT_WAITING
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "ConfigProblem", "DoorClient", "DoorConfig",
+    "DoorUnreachable", "Reply", "Timing", "Watch", "add_parser", "follow", "load_config", "milestones",
+    "offline_ms", "outcome", "redact_url", "run", "status_lines", "timings",
+]
