@@ -144,6 +144,8 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
         kinds, maps, root = plan
         trusted = _SHAPE_CHECKED.get()  # decoded text: msgspec refused lone surrogates, the bytes had no NUL
         for name, kind, is_seq, may_be_empty in kinds:
+            if trusted and kind == "millis":
+                continue  # msgspec's Meta(ge=0, le=2**53 - 1) on Millis already held on decode
             value = getattr(self, name)
             if value is None:
                 continue
