@@ -129,23 +129,52 @@ def _bytes_within_limits(data: bytes) -> bool:
     return _SIXTEEN_DIGITS not in data.translate(_DIGITS)
 
 
-_PLANS: dict[type, tuple[tuple[tuple[str, str, bool, bool], ...], tuple[str, ...], bool]] = {}
+_PLANS: dict[
+    type,
+    tuple[tuple[tuple[str, str, bool, bool], ...], tuple[tuple[str, bool, bool], ...], tuple[str, ...], bool],
+] = {}
 _EMPTY_MAP = FrozenMap()
 
 
-class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=False):
+class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=False, gc=False):
     """A frozen durable shape. Subclasses set ``__durable_root__ = True`` to be tree-checked."""
 
     def __post_init__(self) -> None:
         cls = type(self)
         plan = _PLANS.get(cls)
         if plan is None:
-            plan = _PLANS[cls] = (_field_kinds(cls), _map_fields(cls), bool(getattr(cls, "__durable_root__", False)))
-        kinds, maps, root = plan
-        trusted = _SHAPE_CHECKED.get()  # decoded text: msgspec refused lone surrogates, the bytes had no NUL
+            kinds_all = _field_kinds(cls)
+            plan = _PLANS[cls] = (
+                kinds_all,
+                tuple((n, seq, empty) for n, k, seq, empty in kinds_all if k == "ident"),
+                _map_fields(cls),
+                bool(getattr(cls, "__durable_root__", False)),
+            )
+        kinds, idents, maps, root = plan
+        if _SHAPE_CHECKED.get():
+            # Decoded from bounded bytes: msgspec refused lone surrogates and checked every timestamp's
+            # range (Millis' Meta); the bytes carried no NUL. Only identifier lengths remain to check.
+            for name, is_seq, may_be_empty in idents:
+                value = getattr(self, name)
+                if value is None:
+                    continue
+                for item in value if is_seq else (value,):
+                    if not 0 < len(item) <= _SHORT and not (item == "" and may_be_empty):
+                        check_ident(item, f"{cls.__name__}.{name}")
+        else:
+            self._check_fields(cls, kinds)
+        for name in maps:
+            value = getattr(self, name)
+            if type(value) is dict:
+                msgspec.structs.force_setattr(self, name, freeze(value) if value else _EMPTY_MAP)
+            elif isinstance(value, list):
+                msgspec.structs.force_setattr(self, name, freeze(value))
+        if root and not _SHAPE_CHECKED.get():
+            check_tree(msgspec.to_builtins(self))
+
+    def _check_fields(self, cls: type, kinds: tuple[tuple[str, str, bool, bool], ...]) -> None:
+        """Identifiers and timestamps of a value built in code (the write side)."""
         for name, kind, is_seq, may_be_empty in kinds:
-            if trusted and kind == "millis":
-                continue  # msgspec's Meta(ge=0, le=2**53 - 1) on Millis already held on decode
             value = getattr(self, name)
             if value is None:
                 continue
@@ -154,20 +183,11 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
                 if kind == "ident":
                     if item == "" and may_be_empty:
                         continue  # "" is the spec's "none" for an optional identifier
-                    if (type(item) is str and 0 < len(item) <= _SHORT
-                            and (trusted or ("\x00" not in item and _is_utf8(item)))):
+                    if type(item) is str and 0 < len(item) <= _SHORT and "\x00" not in item and _is_utf8(item):
                         continue  # fast path: short well-formed text is within every identifier limit
                     check_ident(item, f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else ""))
                 elif not (type(item) is int and 0 <= item <= MAX_SAFE_INTEGER):
                     check_timestamp(item, f"{cls.__name__}.{name}" + (f"[{i}]" if is_seq else ""))
-        for name in maps:
-            value = getattr(self, name)
-            if type(value) is dict:
-                msgspec.structs.force_setattr(self, name, freeze(value) if value else _EMPTY_MAP)
-            elif isinstance(value, list):
-                msgspec.structs.force_setattr(self, name, freeze(value))
-        if root and not trusted:
-            check_tree(msgspec.to_builtins(self))
 
 
 _ENCODER = msgspec.json.Encoder(order="sorted")
