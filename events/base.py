@@ -39,7 +39,7 @@ class _Kind:
 _IDENT = _Kind("ident")
 _MILLIS = _Kind("millis")
 
-Ident = Annotated[str, _IDENT]
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IDENT_UNITS), _IDENT]
 """An identifier: non-empty, at most 1,024 UTF-16 units, no NUL, no lone surrogate."""
 Millis = Annotated[int, msgspec.Meta(ge=0, le=2**53 - 1), _MILLIS]
 """A timestamp in milliseconds since the epoch: a non-negative safe integer."""
@@ -96,7 +96,7 @@ def _map_fields(cls: type) -> tuple[str, ...]:
 _SHORT = MAX_IDENT_UNITS // 2
 """At most this many code points is at most 1,024 UTF-16 units, whatever the characters."""
 
-_SHAPE_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("_SHAPE_CHECKED", default=False)
+_SHAPE_CHECKED: contextvars.ContextVar[int] = contextvars.ContextVar("_SHAPE_CHECKED", default=0)
 """Set by :func:`decode` while the bytes it decodes were already bounded (see :func:`_bytes_within_limits`)."""
 
 
@@ -112,6 +112,12 @@ def _is_utf8(text: str) -> bool:
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 _DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _SIXTEEN_DIGITS = b"0" * 16  # a run this long may exceed 2**53 - 1
+
+
+_BOUNDED = 1
+_BMP_ONLY = 2
+# ASCII bytes with no ``\u`` escape hold no astral text, so code points (what msgspec's Meta counts on
+# an Ident) equal UTF-16 units; anything else takes the exact per-identifier check.
 
 
 def _bytes_within_limits(data: bytes) -> bool:
@@ -151,7 +157,10 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
                 bool(getattr(cls, "__durable_root__", False)),
             )
         kinds, idents, maps, root = plan
-        if _SHAPE_CHECKED.get():
+        level = _SHAPE_CHECKED.get()
+        if level == _BMP_ONLY:
+            pass  # msgspec's Meta on Ident counted code points, which equal UTF-16 units without astral text
+        elif level == _BOUNDED:
             # Decoded from bounded bytes: msgspec refused lone surrogates and checked every timestamp's
             # range (Millis' Meta); the bytes carried no NUL. Only identifier lengths remain to check.
             for name, is_seq, may_be_empty in idents:
@@ -169,7 +178,7 @@ class Durable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
                 msgspec.structs.force_setattr(self, name, freeze(value) if value else _EMPTY_MAP)
             elif isinstance(value, list):
                 msgspec.structs.force_setattr(self, name, freeze(value))
-        if root and not _SHAPE_CHECKED.get():
+        if root and not level:
             check_tree(msgspec.to_builtins(self))
 
     def _check_fields(self, cls: type, kinds: tuple[tuple[str, str, bool, bool], ...]) -> None:
@@ -217,7 +226,8 @@ def decode(data: bytes, cls: type[T]) -> T:
     :class:`DurableValueError` with ``code == "decode_failed"``.
     """
     bounded = _bytes_within_limits(data)
-    token = _SHAPE_CHECKED.set(bounded)
+    level = (_BMP_ONLY if data.isascii() and b"\\u" not in data else _BOUNDED) if bounded else 0
+    token = _SHAPE_CHECKED.set(level)
     try:
         value = _decoder(cls).decode(data)
         if not bounded and not getattr(cls, "__durable_root__", False):
@@ -228,6 +238,11 @@ def decode(data: bytes, cls: type[T]) -> T:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, DurableValueError):
             raise cause.as_decode_failed() from None
+        text = str(exc)
+        if text.startswith("Expected `str` of length >= 1"):
+            raise DurableValueError("decode_failed", "ident_nonempty", text) from None
+        if text.startswith(f"Expected `str` of length <= {MAX_IDENT_UNITS}"):
+            raise DurableValueError("decode_failed", "ident_max_units", text) from None
         raise DurableValueError("decode_failed", "schema", str(exc)) from None
     except msgspec.DecodeError as exc:
         msg = str(exc)

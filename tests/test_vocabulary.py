@@ -207,3 +207,18 @@ def test_decode_refuses_exactly_what_the_write_side_refuses(value: object) -> No
         assert write_limit == exc.limit
     else:
         assert write_limit is None and decode(canonical(built), Claim) == built
+
+
+def test_decoded_identifiers_are_counted_in_utf16_units() -> None:
+    """msgspec counts code points; astral text makes the read side check UTF-16 units exactly."""
+    ok = canonical(claim(host="\U0001f600" * 512))
+    assert decode(ok, Claim).host == "\U0001f600" * 512
+    over = ok.replace(("\U0001f600" * 512).encode(), ("\U0001f600" * 513).encode())
+    with pytest.raises(DurableValueError) as err:
+        decode(over, Claim)
+    assert err.value.code == "decode_failed" and err.value.limit == "ident_max_units"
+    escaped = b'{"host":"' + b"\\ud83d\\ude00" * 513 + b'","gen":1}'
+    with pytest.raises(DurableValueError) as err:
+        decode(escaped, Claim)
+    assert err.value.limit == "ident_max_units"
+    assert decode(b'{"host":"' + b"x" * 1024 + b'","gen":1}', Claim).host == "x" * 1024
