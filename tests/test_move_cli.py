@@ -199,7 +199,7 @@ async def test_wait_on_a_move_that_does_not_progress_exits_4_at_the_deadline(env
                                 "--interval", "0.2"], clock=WallClock())
     took = asyncio.get_running_loop().time() - started
     assert code == move_cli.EXIT_WAITING, text
-    assert 1.0 <= took < 10, took
+    assert took >= 1.0 and took < 10, took  # it waited for its --timeout, then gave up
     lines = text.splitlines()
     assert lines[:3] == [say("M-C1", host=host, from_region="ie", to_region="uk"), say("M-C2", host=host),
                          say("M-C3", to_region="uk", host=host)], "each step once, in order"
