@@ -36,7 +36,7 @@ sim-sweep: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy events bus services projections hostmove moveprobe sim
+	$(BIN)/mypy events bus services projections hostmove moveprobe sim bench
 
 stack-down: $(STAMP)
 	$(BIN)/hostmove stack down

@@ -9,6 +9,7 @@ ratio raw/ledger must be at most 2.0: one extra round trip at most (issue 2, ben
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 
@@ -62,7 +63,7 @@ async def measure() -> float:
             async def transitions(n: int, host: str) -> float:
                 t0 = time.perf_counter()
                 for i in range(n):
-                    out = await ledger.transition("claim", host, "bench", lambda c, i=i: decide(c, i))
+                    out = await ledger.transition("claim", host, "bench", functools.partial(decide, i=i))
                     assert isinstance(out, Committed) and out.seq is not None
                 return n / (time.perf_counter() - t0)
 

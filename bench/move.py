@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
-import socket
 import sqlite3
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +44,7 @@ from events.base import decode
 from events.envelope import Transition
 from events.ids import new_incarnation
 from hostmove.ports import SystemRandom, WallClock
+from hostmove.probe_apps import ProbeApps, post_write
 from hostmove.stackinfo import StackInfo
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
@@ -67,7 +65,6 @@ from services.objstore.s3 import S3Store
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
-from services.target.probe import ProbeApp, ProcessApp
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox
 
@@ -156,53 +153,6 @@ class CountingStore:
 
 
 # -- the probe apps and the instance -----------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(port: int, value: str) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/write", data=json.dumps({"value": value}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return int(json.loads(resp.read())["seq"])
-
-
-@dataclass
-class _HomedApp(ProcessApp):
-    """The target's probe app, moved out of the source agent's leaf once spawned (it is not a stray there)."""
-
-    home: Path | None = None
-
-    async def start(self) -> bool:
-        ok = await super().start()
-        if ok and self.proc is not None and self.home is not None:
-            (self.home / "cgroup.procs").write_text(f"{self.proc.pid}\n")
-        return ok
-
-
-@dataclass
-class _Apps:
-    """The target box's probe factory (the pattern of ``hostmove/demo_move.py``)."""
-
-    home: Path
-    acks: Path
-    apps: list[ProcessApp] = field(default_factory=list)
-    ports: dict[str, int] = field(default_factory=dict)
-
-    async def factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
-        port = _free_port()
-        app = _HomedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, ready_path="/ready",
-                        env=probe_env(data_dir=db_path.parent, host=host, region="uk",
-                                      ack_log=self.acks / f"{host}.uk.jsonl", port=port, interval_s=3600,
-                                      worker=False),
-                        request_timeout_s=0.5, home=self.home)
-        self.apps.append(app)
-        self.ports[host] = app.port
-        return app
 
 
 def db_bytes(path: Path) -> int:
@@ -325,7 +275,7 @@ class Bench:
     activator: Activator
     tbox: TargetBox
     landing: LandingWorker
-    apps: _Apps
+    apps: ProbeApps
     deployment: Deployment
     source_base: SourceSide
     facts: BoxFacts
@@ -349,7 +299,7 @@ class Bench:
         writes = max(1, size_mib * MIB // VALUE_BYTES)
         for _ in range(writes):
             value = base64.b64encode(os.urandom(VALUE_BYTES * 3 // 4)).decode()  # incompressible for zstd
-            await asyncio.to_thread(_post, started.port, value)
+            await asyncio.to_thread(post_write, started.port, value, timeout_s=30)
         running = self.activator.running[host]
         while await running.replicator.sync() is not None:  # the replica caught up before the move starts
             pass
@@ -475,7 +425,7 @@ async def run(info: StackInfo, tmp: Path) -> int:
             activator = Activator(ctx, AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env,
                                                ready_within_s=20))
             src_timers = Timers.open(ie.box_dir, clock)
-            apps = _Apps(home, acks)
+            apps = ProbeApps(home, acks)
             tbox = TargetBox(label=tgt_label, region="uk", box_dir=uk.box_dir, data_store=store,
                              data_bucket=buckets["uk"], ledger=ledger, registry=Registry.open(uk.box_dir, clock),
                              stamps=StampBook.open(uk.box_dir, clock), timers=Timers.open(uk.box_dir, clock),

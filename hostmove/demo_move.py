@@ -10,15 +10,12 @@ acts as both boxes' agents (the embedded default runs every service in one OS pr
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import sys
 import tempfile
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from events.ids import new_incarnation
+from hostmove.probe_apps import ProbeApps, post_write
 from hostmove.runtime import Runtime
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
@@ -37,54 +34,8 @@ from services.move.e2e import Deployment, MoveOutcome, SourceSide, TargetSide, r
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
-from services.target.probe import ProbeApp, ProcessApp
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(port: int, value: str) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/write", data=json.dumps({"value": value}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return int(json.loads(resp.read())["seq"])
-
-
-@dataclass
-class _HomedApp(ProcessApp):
-    """The target's probe app, moved out of the source agent's leaf once spawned (it is not a stray there)."""
-
-    home: Path | None = None
-
-    async def start(self) -> bool:
-        ok = await super().start()
-        if ok and self.proc is not None and self.home is not None:
-            (self.home / "cgroup.procs").write_text(f"{self.proc.pid}\n")
-        return ok
-
-
-@dataclass
-class _Apps:
-    home: Path
-    acks: Path
-    apps: list[ProcessApp] = field(default_factory=list)
-    ports: dict[str, int] = field(default_factory=dict)
-
-    async def factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
-        port = _free_port()
-        app = _HomedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, ready_path="/ready",
-                        env=probe_env(data_dir=db_path.parent, host=host, region="uk",
-                                      ack_log=self.acks / f"{host}.uk.jsonl", port=port, interval_s=3600,
-                                      worker=False),
-                        request_timeout_s=0.5, home=self.home)
-        self.apps.append(app)
-        self.ports[host] = app.port
-        return app
 
 
 async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveOutcome | str:
@@ -113,7 +64,7 @@ async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveO
 
         activator = Activator(ctx, AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=20))
         src_timers = Timers.open(ie.box_dir, clock)
-        apps = _Apps(home, acks)
+        apps = ProbeApps(home, acks)
         tbox = TargetBox(label=uk.label, region="uk", box_dir=uk.box_dir, data_store=store, data_bucket=buckets["uk"],
                          ledger=ledger, registry=Registry.open(uk.box_dir, clock),
                          stamps=StampBook.open(uk.box_dir, clock), timers=Timers.open(uk.box_dir, clock),
@@ -132,7 +83,7 @@ async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveO
                 return f"{host} did not start on {ie.label}: {started}"
             out(f"   {host} serves on {ie.label}: moveprobe pid {started.pid} in a cgroup v2 leaf, "
                 f"session {started.session}, replicating into s3://{buckets['ie']}/")
-            seqs = [await asyncio.to_thread(_post, started.port, f"order-{i}") for i in range(20)]
+            seqs = [await asyncio.to_thread(post_write, started.port, f"order-{i}") for i in range(20)]
             out(f"   20 acknowledged writes (seq {seqs[0]}..{seqs[-1]})")
 
             async def launch(h: str) -> LaunchInputs:
@@ -156,14 +107,13 @@ async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveO
                 out(f"   {len(missing)} of {rows} acknowledged writes missing on {uk.label}")
                 if missing:
                     return f"{len(missing)} acknowledged writes are missing on {uk.label}"
-                after = await asyncio.to_thread(_post, apps.ports[host], "written on uk")
+                after = await asyncio.to_thread(post_write, apps.ports[host], "written on uk")
                 out(f"   {host} takes writes on {uk.label} (seq {after})")
             return outcome
         finally:
             await activator.close()
             for running in list(landing.running.values()):
                 await running.stop()
-            for app in apps.apps:
-                await app.stop()
+            await apps.stop_all()
             for closable in (ctx.registry, ctx.stamps, src_timers, tbox.registry, tbox.stamps, tbox.timers):
                 closable.close()

@@ -20,6 +20,7 @@ from bus.nats_log import NatsEventLog
 from events import Actor, Claim
 from events.claim import Op
 from hostmove.ports import SystemRandom, WallClock
+from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from moveprobe.acks import RowAck, read_acks
 from moveprobe.config import probe_env
@@ -108,13 +109,6 @@ async def world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) 
     await store.delete_bucket(bucket)
     await events.close()
     await store.close()
-
-
-def post_write(port: int, value: str) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/write", data=json.dumps({"value": value}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return int(json.loads(resp.read())["seq"])
 
 
 def rows(port: int) -> dict:

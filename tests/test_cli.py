@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Claim, Op
 from hostmove.ports import WallClock
+from hostmove.probe_apps import free_port
 from hostmove.stackinfo import StackInfo
 from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, object_key
@@ -181,12 +181,6 @@ async def test_serve_relay_publishes_a_crashed_writers_event(
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 30)
     assert rc == 0, proc.stderr.read() if proc.stderr else ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_serve_projections_answers_the_read_api(

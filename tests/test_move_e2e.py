@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest_asyncio
@@ -27,6 +26,7 @@ from events.envelope import Transition
 from events.ids import new_incarnation
 from hostmove.copy import say
 from hostmove.ports import SystemRandom, WallClock
+from hostmove.probe_apps import ProbeApps, post_write
 from hostmove.stackinfo import StackInfo
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
@@ -47,11 +47,9 @@ from services.objstore.s3 import S3Store
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
-from services.target.probe import ProbeApp, ProcessApp
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox, read_seal
 from tests.helpers.cgtest import as_agent, box_tree
-from tests.test_activator import post_write
 
 SRC, TGT = "ie-1", "uk-1"
 WRITES = 20
@@ -89,47 +87,6 @@ def rows(port: int) -> dict[str, int]:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
 
-@dataclass
-class HomeApps:
-    """The target's probe apps, spawned as real processes and moved out of the source box's agent leaf (this test
-    process is the source's agent; a child would otherwise be a stray in that leaf). All stopped at the end."""
-
-    home: Path
-    root: Path
-    apps: list[ProcessApp] = field(default_factory=list)
-    ports: dict[str, int] = field(default_factory=dict)
-
-    async def factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
-        port = _free_port()
-        app = _HomedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, ready_path="/ready",
-                        env=probe_env(data_dir=db_path.parent, host=host, region="uk",
-                                      ack_log=self.root / f"{host}.uk.jsonl", port=port, interval_s=3600,
-                                      worker=False),
-                        request_timeout_s=0.5, home=self.home)
-        self.apps.append(app)
-        self.ports[host] = app.port
-        return app
-
-
-@dataclass
-class _HomedApp(ProcessApp):
-    """A :class:`ProcessApp` whose process is moved into ``home`` (the test's own cgroup) once spawned."""
-
-    home: Path | None = None
-
-    async def start(self) -> bool:
-        ok = await super().start()
-        if ok and self.proc is not None and self.home is not None:
-            (self.home / "cgroup.procs").write_text(f"{self.proc.pid}\n")
-        return ok
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def history(events: EventLog, obj: str, host: str) -> list[Transition]:
     """The transitions of one object, in stream order."""
     return [decode(m.data, Transition)
@@ -151,7 +108,7 @@ class Rig:
     activator: Activator
     tbox: TargetBox
     landing: LandingWorker
-    apps: HomeApps
+    apps: ProbeApps
     deployment: Deployment
     source: SourceSide
     target: TargetSide
@@ -188,7 +145,7 @@ async def rig(s: Stack, unique: Callable[[str], str], tmp_path: Path) -> AsyncIt
 
         activator = Activator(ctx, AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=15))
         src_timers = Timers.open(ie.box_dir, clock)
-        apps = HomeApps(home, tmp_path)
+        apps = ProbeApps(home, tmp_path)
         tbox = TargetBox(label=TGT, region="uk", box_dir=uk.box_dir, data_store=s.store, data_bucket=s.uk,
                          ledger=ledger, registry=Registry.open(uk.box_dir, clock),
                          stamps=StampBook.open(uk.box_dir, clock), timers=Timers.open(uk.box_dir, clock),

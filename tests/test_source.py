@@ -24,6 +24,7 @@ from events.ids import new_incarnation, new_op_id
 from events.record import FilesDigest, Move, MoveInputs, MoveSource, Record
 from hostmove import rules
 from hostmove.ports import Clock, ManualClock, SeededRandom, SystemRandom, WallClock
+from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from moveprobe.config import probe_env
 from services.box.activator import Activator, AppSpec, BoxContext, Certificate, Started, certificate_key
@@ -53,7 +54,6 @@ from services.source.staging import (
 )
 from services.source.worker import SourceBox, SourceWorker, StepResult
 from tests.helpers.cgtest import as_agent, box_tree
-from tests.test_activator import post_write
 
 RNG = SeededRandom(7)
 MV = new_op_id("mv", RNG)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import sqlite3
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +24,7 @@ from events.claim import Holder, Op, Touched
 from events.record import Move, MoveSource, Record, Rollback
 from hostmove import rules
 from hostmove.ports import ManualClock, SystemRandom, WallClock
+from hostmove.probe_apps import free_port
 from hostmove.stackinfo import StackInfo
 from moveprobe.config import probe_env
 from services.box.archive import build_archive, manifest_bytes
@@ -416,12 +416,6 @@ async def world(world_module: World) -> AsyncIterator[World]:
     world_module.workers.clear()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def make_box(w: World, label: str, *, ready: bool = True, faults: Callable[[str], None] | None = None,
              timing: ProbeTiming = FAST, configure: Configure | None = None, moveprobe: bool = False) -> LandingWorker:
     box_dir = w.root / label
@@ -429,7 +423,7 @@ def make_box(w: World, label: str, *, ready: bool = True, faults: Callable[[str]
     clock = WallClock()
 
     async def factory(host: str, attempt: int, db_path: Path) -> ProbeApp:
-        port = _free_port()
+        port = free_port()
         env: dict[str, str] = {}
         ready_path = "/"
         if moveprobe:  # the sample app: it opens the installed database and writes a boot row into it

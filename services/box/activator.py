@@ -33,7 +33,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from hostmove import rules
 from hostmove.ports import Clock, Random
+from hostmove.probe_apps import free_port
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.guard import Guarded, host_guard
 from services.box.markers import (
@@ -185,12 +185,6 @@ class BoxContext:
         return self.data_dir / host
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def purge_local_db(db_path: Path) -> None:
     """Remove the local database, its WAL, SHM and ``.gen`` (step 3: error-returning)."""
     for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen")):
@@ -329,7 +323,7 @@ class Activator:
             restored_txid = result.txid
         write_local_gen(db, holder.generation)
         await self._start_check(claim)
-        port = _free_port()
+        port = free_port()
         logs = ctx.box_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.app.env(host, ctx.data_dir, port, ctx.region)}
