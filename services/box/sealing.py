@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
@@ -247,6 +248,24 @@ def chunk_aad(chunk_size: int, index: int, final: bool) -> bytes:
     return CHUNK_AAD_PREFIX + chunk_size.to_bytes(4, "big") + index.to_bytes(8, "big") + (b"\x01" if final else b"\x00")
 
 
+def _whole_pieces(
+    buf: bytearray, data: bytes | bytearray | memoryview, size: int, process: Callable[[memoryview], bytes]
+) -> tuple[list[bytes], bytearray]:
+    """Cut ``buf + data`` into ``size``-byte pieces, processing every piece that is known not to be the last
+    (more bytes follow it); answers the processed pieces and the bytes kept for later. Shared by the sealer
+    (plaintext chunks) and the opener (ciphertext chunks), so both frame the stream the same way."""
+    pending = bytes(data) if not buf else bytes(buf + data)
+    view = memoryview(pending)
+    out: list[bytes] = []
+    start = 0
+    while len(view) - start > size:
+        out.append(process(view[start : start + size]))
+        start += size
+    rest = bytearray(view[start:])
+    view.release()
+    return out, rest
+
+
 class ChunkSealer:
     """Encrypt a plaintext stream into AES-256-GCM chunks; :meth:`finish` emits the flagged last chunk.
 
@@ -273,26 +292,7 @@ class ChunkSealer:
         """Add plaintext; returns the ciphertext chunks that are now complete (never the last one)."""
         if self._done:
             raise ValueError("the sealer is finished")
-        out: list[bytes] = []
-        size = self.chunk_size
-        if not self._buf and len(data) > size:
-            view = memoryview(data)
-            start = 0
-            while len(view) - start > size:
-                out.append(self._seal(view[start : start + size], final=False))
-                start += size
-            self._buf += view[start:]
-            return out
-        self._buf += data
-        if len(self._buf) > size:
-            view = memoryview(self._buf)
-            start = 0
-            while len(view) - start > size:
-                out.append(self._seal(view[start : start + size], final=False))
-                start += size
-            rest = bytes(view[start:])
-            view.release()
-            self._buf = bytearray(rest)
+        out, self._buf = _whole_pieces(self._buf, data, self.chunk_size, lambda piece: self._seal(piece, False))
         return out
 
     def finish(self) -> bytes:
@@ -343,18 +343,9 @@ class ChunkOpener:
         """Add ciphertext; returns plaintext of chunks that are complete and known not to be the last."""
         if self._done:
             raise SealError("data follows the final chunk of the sealed stream")
-        self._buf += data
-        whole = self.chunk_size + TAG_BYTES
-        out: list[bytes] = []
-        if len(self._buf) > whole:
-            view = memoryview(self._buf)
-            start = 0
-            while len(view) - start > whole:
-                out.append(self._open(view[start : start + whole], final=False))
-                start += whole
-            rest = bytes(view[start:])
-            view.release()
-            self._buf = bytearray(rest)
+        out, self._buf = _whole_pieces(
+            self._buf, data, self.chunk_size + TAG_BYTES, lambda piece: self._open(piece, False)
+        )
         return out
 
     def finish(self) -> bytes:
