@@ -378,23 +378,24 @@ async def get_move(request: web.Request) -> web.Response:
     return _json(await request.app[DOOR].status(host, detail=raw in ("1", "true")))
 
 
-async def post_cut(request: web.Request) -> web.Response:
+async def _bodiless(request: web.Request) -> tuple[Identity, str]:
+    """An operator's mutation that takes no query and an empty body: who asks, and for which host."""
     who = _who(request, operator=True)
     host = _host(request)
     _query(request, ())
     bad = parse_empty(await _body(request))
     if bad is not None:
         raise _Refused(bad)
+    return who, host
+
+
+async def post_cut(request: web.Request) -> web.Response:
+    who, host = await _bodiless(request)
     return _json(await request.app[DOOR].cut(host, who))
 
 
 async def post_abort(request: web.Request) -> web.Response:
-    who = _who(request, operator=True)
-    host = _host(request)
-    _query(request, ())
-    bad = parse_empty(await _body(request))
-    if bad is not None:
-        raise _Refused(bad)
+    who, host = await _bodiless(request)
     return _json(await request.app[DOOR].abort(host, who))
 
 
