@@ -12,6 +12,8 @@ import pytest
 from hostmove.stack import docker_engine_available, stack_down, stack_up, start_containers
 from hostmove.stackinfo import StackInfo
 
+pytest_plugins = ["tests.helpers.stores"]  # the object-store backend/store/bucket fixtures
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:

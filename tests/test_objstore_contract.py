@@ -10,11 +10,10 @@ import asyncio
 import hashlib
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from aiohttp import web
 from botocore.exceptions import ClientError
 
@@ -31,43 +30,9 @@ from services.objstore.port import (
     Won,
 )
 from services.objstore.s3 import S3Store
+from tests.helpers.stores import Store  # the backend, store and bucket fixtures come from there
 
-Store = S3Store | MemoryStore
 B = "twin-bucket"
-PAGE = 7  # small page size so listings of 30+ entries cross several pages
-
-
-@pytest.fixture(params=["seaweedfs", "memory"])
-def backend(request: pytest.FixtureRequest) -> tuple[str, StackInfo | None]:
-    if request.param == "seaweedfs":
-        return "seaweedfs", request.getfixturevalue("stack")
-    return "memory", None
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def store(backend: tuple[str, StackInfo | None]) -> AsyncIterator[Store]:
-    kind, info = backend
-    s: Store
-    if kind == "seaweedfs":
-        assert info is not None
-        s = await S3Store.open(info.s3_endpoint, info.s3_access_key, info.s3_secret_key, info.s3_region, page_size=PAGE)
-    else:
-        s = MemoryStore(rng=random.Random(1234))
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def bucket(store: Store, unique: Callable[..., str]) -> AsyncIterator[str]:
-    """A fresh versioned bucket, dropped afterwards (weed mini only holds ~76 written buckets)."""
-    name = unique("oc")
-    await store.create_bucket(name, versioned=True)
-    try:
-        yield name
-    finally:
-        await store.delete_bucket(name)
 
 
 def md5_etag(body: bytes) -> str:

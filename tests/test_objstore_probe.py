@@ -3,51 +3,18 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
-import pytest_asyncio
 
 from hostmove.stackinfo import StackInfo
 from services.objstore.memory import MemoryStore
 from services.objstore.port import Lost, Won
 from services.objstore.probe import CHECKS, ProbeFailed, conformance_probe, run_probe_or_exit
 from services.objstore.s3 import S3Store
+from tests.helpers.stores import Store  # the backend, store and bucket fixtures come from there
 
-Store = S3Store | MemoryStore
 BUCKET = "probe-twin"
-
-
-@pytest.fixture(params=["seaweedfs", "memory"])
-def backend(request: pytest.FixtureRequest) -> tuple[str, StackInfo | None]:
-    if request.param == "seaweedfs":
-        return "seaweedfs", request.getfixturevalue("stack")
-    return "memory", None
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def store(backend: tuple[str, StackInfo | None]) -> AsyncIterator[Store]:
-    kind, info = backend
-    s: Store
-    if kind == "seaweedfs":
-        assert info is not None
-        s = await S3Store.open(info.s3_endpoint, info.s3_access_key, info.s3_secret_key, info.s3_region)
-    else:
-        s = MemoryStore(rng=random.Random(7))
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def bucket(store: Store, unique: Callable[..., str]) -> AsyncIterator[str]:
-    name = unique("probe")
-    await store.create_bucket(name, versioned=True)
-    try:
-        yield name
-    finally:
-        await store.delete_bucket(name)
 
 
 async def test_probe_passes_and_cleans_up(store: Store, bucket: str) -> None:
