@@ -38,6 +38,7 @@ from services.door.auth import Identity, TokenSet
 from services.hosts.create import decide_begin_create
 from services.ledger.ledger import Committed, Ledger
 from services.objstore.s3 import S3Store
+from tests.helpers.stores import regions
 from tests.test_move_e2e import Stack, assert_moved, rig
 
 OPERATOR = "op-" + uuid.uuid4().hex
@@ -461,18 +462,8 @@ def test_milestones_for_an_abort_a_late_release_and_a_relocation() -> None:
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def e2e(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[Stack]:
     """The deployment bucket and the two regions' data buckets of tests/test_move_e2e.py's rig."""
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    s = Stack(store, events, unique("cli-deploy"), unique("cli-ie"), unique("cli-uk"))
-    for name in (s.deploy, s.ie, s.uk):
-        await store.create_bucket(name)
-    try:
+    async with regions(stack, unique, "cli") as s:
         yield s
-    finally:
-        for name in (s.deploy, s.ie, s.uk):
-            await store.delete_bucket(name)
-        await events.close()
-        await store.close()
 
 
 async def test_the_cli_follows_a_real_move_of_a_running_instance_to_done(

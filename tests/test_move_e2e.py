@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest_asyncio
 
 from bus.log import EventLog
-from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor
 from events.base import decode
@@ -43,43 +42,27 @@ from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.ledger.audit import run_audit
 from services.move.e2e import FAST, Deployment, MoveOutcome, MoveRun, SourceSide, TargetSide, Timings, run_move
-from services.objstore.s3 import S3Store
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox, read_seal
 from tests.helpers.cgtest import as_agent, box_tree
+from tests.helpers.stores import Regions, regions
 
 SRC, TGT = "ie-1", "uk-1"
 WRITES = 20
 
 
-@dataclass
-class Stack:
-    store: S3Store
-    events: NatsEventLog
-    deploy: str
-    ie: str
-    uk: str
+Stack = Regions
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def buckets(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[Stack]:
     """The deployment bucket and the two regions' data buckets, separate as in production: the target's staging
     park parks ``moves/<host>/<op>/`` of the uk bucket, which must not be where the evidence lives."""
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    s = Stack(store, events, unique("e2e-deploy"), unique("e2e-ie"), unique("e2e-uk"))
-    for name in (s.deploy, s.ie, s.uk):
-        await store.create_bucket(name)
-    try:
+    async with regions(stack, unique, "e2e") as s:
         yield s
-    finally:
-        for name in (s.deploy, s.ie, s.uk):
-            await store.delete_bucket(name)
-        await events.close()
-        await store.close()
 
 
 def rows(port: int) -> dict[str, int]:

@@ -16,7 +16,6 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from bus.nats_log import NatsEventLog
 from events import Actor
 from events.base import canonical, decode
 from events.claim import Claim, Holder, Op
@@ -54,6 +53,7 @@ from services.source.staging import (
 )
 from services.source.worker import SourceBox, SourceWorker, StepResult
 from tests.helpers.cgtest import as_agent, box_tree
+from tests.helpers.stores import Regions, regions
 
 RNG = SeededRandom(7)
 MV = new_op_id("mv", RNG)
@@ -234,30 +234,14 @@ def test_plan_names_the_next_step_from_durable_state_only(
 # -- the real stack ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Buckets:
-    store: S3Store
-    events: NatsEventLog
-    deploy: str
-    ie: str
-    uk: str
+Buckets = Regions
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def buckets(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[Buckets]:
     """One deployment bucket and the two regions' data buckets for the whole module; keys are per host."""
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    b = Buckets(store, events, unique("src-deploy"), unique("src-ie"), unique("src-uk"))
-    for name in (b.deploy, b.ie, b.uk):
-        await store.create_bucket(name)
-    try:
+    async with regions(stack, unique, "src") as b:
         yield b
-    finally:
-        for name in (b.deploy, b.ie, b.uk):
-            await store.delete_bucket(name)
-        await events.close()
-        await store.close()
 
 
 @dataclass

@@ -17,7 +17,6 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from bus.nats_log import NatsEventLog
 from events import Actor
 from events.base import decode
 from events.claim import Claim, Holder, Op, Touched
@@ -32,7 +31,6 @@ from services.box.replica.replicator import Replicator
 from services.box.sealing import generate_private_key
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
 from services.objstore.port import Got
-from services.objstore.s3 import S3Store
 from services.source import report as lr
 from services.source.phases import PRODUCTION, TimingProfile, admission_refused
 from services.source.preparing import (
@@ -48,6 +46,7 @@ from services.source.preparing import (
 from services.source.staging import MoveMarker, lane
 from services.target.readiness import Check, TargetReport, write_report
 from tests.helpers.cgtest import box_tree
+from tests.helpers.stores import Regions, regions
 
 RNG = SeededRandom(11)
 MV = new_op_id("mv", RNG)
@@ -183,30 +182,14 @@ def test_at_ready_a_changed_input_is_re_pinned_only_when_every_check_is_fresh() 
 # -- the real stack --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Buckets:
-    store: S3Store
-    events: NatsEventLog
-    deploy: str
-    ie: str
-    uk: str
+Buckets = Regions
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def buckets(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[Buckets]:
     """One deployment bucket and the two regions' data buckets for the module; keys are per host and move."""
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    b = Buckets(store, events, unique("prep-deploy"), unique("prep-ie"), unique("prep-uk"))
-    for name in (b.deploy, b.ie, b.uk):
-        await store.create_bucket(name)
-    try:
+    async with regions(stack, unique, "prep") as b:
         yield b
-    finally:
-        for name in (b.deploy, b.ie, b.uk):
-            await store.delete_bucket(name)
-        await events.close()
-        await store.close()
 
 
 @pytest.fixture(scope="module")

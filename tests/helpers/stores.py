@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
+from bus.nats_log import NatsEventLog
 from hostmove.stackinfo import StackInfo
 from services.objstore.memory import MemoryStore
 from services.objstore.s3 import S3Store
@@ -48,3 +51,32 @@ async def bucket(store: Store, unique: Callable[..., str]) -> AsyncIterator[str]
         yield name
     finally:
         await store.delete_bucket(name)
+
+
+@dataclass
+class Regions:
+    """One deployment bucket and the two regions' data buckets (ie, uk), separate as in production, with a
+    store and an event log on the session's real stack."""
+
+    store: S3Store
+    events: NatsEventLog
+    deploy: str
+    ie: str
+    uk: str
+
+
+@asynccontextmanager
+async def regions(stack: StackInfo, unique: Callable[[str], str], prefix: str) -> AsyncIterator[Regions]:
+    """The three buckets for a module, created here and dropped afterwards (weed mini holds ~76 buckets)."""
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    r = Regions(store, events, unique(f"{prefix}-deploy"), unique(f"{prefix}-ie"), unique(f"{prefix}-uk"))
+    for name in (r.deploy, r.ie, r.uk):
+        await store.create_bucket(name)
+    try:
+        yield r
+    finally:
+        for name in (r.deploy, r.ie, r.uk):
+            await store.delete_bucket(name)
+        await events.close()
+        await store.close()
