@@ -405,7 +405,7 @@ async def run(info: StackInfo, tmp: Path) -> int:
     src_key, tgt_key = load_private_key(ie.box_dir / "secrets.pem"), load_private_key(uk.box_dir / "secrets.pem")
     acks = tmp / "acks"
     acks.mkdir()
-    tree = CgroupTree.discover(src_label, clock=clock)
+    tree = CgroupTree.discover(src_label, clock=clock, journal=ie.box_dir / "spawns")
     strict, why = tree.strict_available()
     if not strict:
         print(f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves",

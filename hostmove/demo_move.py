@@ -43,7 +43,7 @@ async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveO
     out = say  # the caller's printer
     assert callable(out)
     clock, store, ledger = rt.clock, rt.store, rt.ledger
-    tree = CgroupTree.discover(ie.label, clock=clock)
+    tree = CgroupTree.discover(ie.label, clock=clock, journal=ie.box_dir / "spawns")
     ok, why = tree.strict_available()
     if not ok:
         return f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"

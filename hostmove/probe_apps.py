@@ -1,21 +1,26 @@
 """``moveprobe`` as the instance of the embedded default: one home for what the demo, ``bench/move`` and the
 end-to-end tests all need (a free loopback port, an acknowledged write, the target's probe apps).
 
-The target's probe apps are real processes moved out of the source box's agent leaf once spawned: the
-embedded default runs both boxes' agents in one OS process, and a child left in the source's ``@agent``
-leaf would be a stray there (§5.3 step 2).
+The target's probe apps are the box's strict spawns (§5.3 "Every spawn under a move is strict", the target's
+probe): each attempt starts through :meth:`~services.box.proctree.CgroupTree.spawn_strict` into the host's leaf,
+with moveprobe's forked worker on, and stops by killing and draining that leaf. Nothing is spawned first and
+moved afterwards, so nothing ever runs in the agent's own leaf (where §5.3 step 2 would count it a stray).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import socket
 import sys
 import urllib.request
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moveprobe.config import probe_env
+from services.box.proctree import CgroupTree, find_cgroup2_root
 from services.target.probe import ProbeApp, ProcessApp
 
 
@@ -35,38 +40,73 @@ def post_write(port: int, value: str, *, timeout_s: float = 5.0) -> int:
 
 
 @dataclass
-class HomedApp(ProcessApp):
-    """A :class:`ProcessApp` whose process is moved into ``home`` (a cgroup directory) once spawned."""
+class _TidiedApp(ProcessApp):
+    """A probe app of a tree :class:`ProbeApps` made for itself: after the drain its empty leaf is removed, and
+    the tree's box group with it once no other leaf is left (a test or demo leaves no cgroup behind)."""
 
-    home: Path | None = None
+    owner: ProbeApps | None = None
 
     async def start(self) -> bool:
-        ok = await super().start()
-        if ok and self.proc is not None and self.home is not None:
-            (self.home / "cgroup.procs").write_text(f"{self.proc.pid}\n")
-        return ok
+        if self.owner is None:
+            return await super().start()
+        async with self.owner.lock:  # never while the owner removes the box group
+            return await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.owner is not None:
+            async with self.owner.lock:
+                self.owner.tidy(self.host)
 
 
 @dataclass
 class ProbeApps:
-    """The target box's probe factory: a moveprobe per attempt, all kept so they can be stopped at the end."""
+    """The target box's probe factory: a moveprobe per attempt, strictly spawned, all kept so they can be stopped.
+
+    ``tree`` is the target box's :class:`CgroupTree`. Without one, the first attempt makes a tree of its own,
+    ``hostmove/<region>.probe.<random>/<host>`` on this machine's cgroup v2 mount (a refusing one without it, so
+    every attempt fails with the box's reason), and each app's stop removes what it made. ``home`` is the cgroup
+    this process came from; the apps no longer need it (nothing is moved there) and it is kept for the callers.
+    """
 
     home: Path
     acks: Path
     region: str = "uk"
+    tree: CgroupTree | None = None
     apps: list[ProcessApp] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _owned: bool = False
+
+    def target_tree(self) -> CgroupTree:
+        """The target box's tree: the one given, or one of its own made on first use."""
+        if self.tree is None:
+            self.tree = CgroupTree(find_cgroup2_root(), f"{self.region}.probe.{secrets.token_hex(4)}")
+            self._owned = True
+        return self.tree
 
     async def factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
         port = free_port()
-        app = HomedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, ready_path="/ready",
-                       env=probe_env(data_dir=db_path.parent, host=host, region=self.region,
-                                     ack_log=self.acks / f"{host}.{self.region}.jsonl", port=port, interval_s=3600,
-                                     worker=False),
-                       request_timeout_s=0.5, home=self.home)
+        tree = self.target_tree()
+        env = probe_env(data_dir=db_path.parent, host=host, region=self.region,
+                        ack_log=self.acks / f"{host}.{self.region}.jsonl", port=port, interval_s=3600,
+                        worker_file=self.acks / f"{host}.{self.region}.worker.jsonl")
+        app = _TidiedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, host=host, tree=tree,
+                         ready_path="/ready", env=env, request_timeout_s=0.5, owner=self if self._owned else None)
         self.apps.append(app)
         self.ports[host] = app.port
         return app
+
+    def tidy(self, host: str) -> None:
+        """Remove the host's drained leaf, then the box group and ``hostmove`` when empty (only a tree it made)."""
+        tree = self.tree
+        if not self._owned or tree is None or tree.base is None:
+            return
+        with suppress(OSError):  # populated (a later attempt runs) or already gone
+            tree.remove_leaf(host)
+        for d in (tree.base, tree.base.parent):
+            with suppress(OSError):  # another leaf or box group is still there
+                d.rmdir()
 
     async def stop_all(self) -> None:
         for app in self.apps:

@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from events.base import DurableValueError, canonical, decode
 from events.ids import new_op_id
+from hostmove import rules
 from hostmove.ports import ManualClock, SeededRandom, WallClock
 from hostmove.stackinfo import StackInfo
 from services.box.evidence import (
@@ -40,7 +41,7 @@ from services.box.evidence import (
     lease_file_check,
     reconstruct_stop_evidence,
 )
-from services.box.proctree import CgroupTree, Drain, Holder, HolderScan, StrayScan
+from services.box.proctree import BOOT_ID, CgroupTree, Drain, Holder, HolderScan, SpawnHistory, SpawnJournal, StrayScan
 from services.objstore.port import Got, Missing
 from services.objstore.s3 import S3Store
 from tests.helpers.cgtest import Reaper, alive, as_agent, box_tree, forker, python_env, read_pid, wait_for
@@ -57,6 +58,7 @@ GOOD = Observed(
     strays=StrayScan("/cg/@agent", (), True),
     holders=HolderScan((), True, 90, 0),
     lease=LeaseObservation(True, "no lease"),
+    history=SpawnHistory("h.example", True, "boot-1", 1, 0, "1 strict"),
 )
 
 
@@ -135,16 +137,54 @@ def test_every_cause_is_named() -> None:
         strays=StrayScan("/cg/@agent", (6,), True),
         holders=HolderScan((Holder(7, "/d/h.db", "fd"),), True, 3, 0),
         lease=LeaseObservation(False, "held"),
+        history=SpawnHistory("h", True, "boot-1", 1, 0),
     )
     verdict = decide("h", seen)
     assert isinstance(verdict, Refusal)
     assert verdict.codes == ("live-process", "stray-process", "database-held", "lease-held")
 
 
-def test_an_absent_group_clears_step_one() -> None:
-    seen = dataclasses.replace(GOOD, drain=Drain("h", "/cg/h", False, (), True, 0))
+ABSENT = Drain("h", "/cg/h", False, (), True, 0)
+
+
+@pytest.mark.parametrize(("history", "words"), [
+    (SpawnHistory("h", True, "boot-1", 0, 0, "the spawn journal records no spawn of the host"),
+     "nothing could have escaped"),
+    (SpawnHistory("h", True, "boot-1", 3, 0, "3 strict"), "a strict group cannot be removed while populated"),
+])
+def test_an_absent_group_clears_step_one_only_after_strict_or_no_spawns(history: SpawnHistory, words: str) -> None:
+    """§5.3: the durably never-spawned host, and a host every spawn of which was strict (its group could only
+    be removed empty), pass step 1 without a group to drain."""
+    verdict = decide("h", dataclasses.replace(GOOD, drain=ABSENT, history=history))
+    assert isinstance(verdict, Cleared)
+    assert "absent" in verdict.steps[0].detail and words in verdict.steps[0].detail
+
+
+@pytest.mark.parametrize(("history", "words"), [
+    (SpawnHistory("h", True, "boot-1", 4, 1, "4 strict and 1 non-strict"),
+     "spawned it 1 time(s) in this boot without strict containment"),
+    (SpawnHistory("h", False, "", detail="box b keeps no spawn journal"),
+     "cannot show that every earlier spawn of it was contained (box b keeps no spawn journal)"),
+    (SpawnHistory("h", False, "boot-1", detail="cannot read the spawn journal /j/h.json: bad"),
+     "cannot show that every earlier spawn of it was contained"),
+])
+def test_an_absent_group_refuses_where_an_earlier_spawn_could_escape(history: SpawnHistory, words: str) -> None:
+    """Joint D3: "An absent host cgroup is insufficient where an earlier spawn could escape containment"."""
+    seen = dataclasses.replace(GOOD, drain=ABSENT, history=history)
     verdict = decide("h", seen)
-    assert isinstance(verdict, Cleared) and "absent" in verdict.steps[0].detail
+    assert isinstance(verdict, Refusal)
+    assert verdict.codes == ("escape-possible",) and verdict.alert
+    assert len(verdict.reasons) == 1 and words in verdict.reasons[0]
+    assert not verdict.steps[0].ok and all(s.ok for s in verdict.steps[1:])
+    assert decide("h", seen) == verdict  # pure: the same observations, the same answer
+    with rules.mutated(["absent-cgroup-insufficient"]):
+        assert isinstance(decide("h", seen), Cleared), "the named rule is the guard"
+
+
+def test_a_group_that_exists_and_drains_does_not_need_the_journal() -> None:
+    """Step 1 with a group: ``populated 0`` after the kill proves it, whatever the journal says."""
+    unknown = SpawnHistory("h.example", False, detail="no journal")
+    assert isinstance(decide("h.example", dataclasses.replace(GOOD, history=unknown)), Cleared)
 
 
 def test_the_evidence_shape_refuses_what_is_not_evidence() -> None:
@@ -314,6 +354,7 @@ def world(
     host = f"{unique('shop')}.example.com"
     reaper = Reaper()
     with box_tree(box) as (tree, home), as_agent(tree, home):
+        tree.journal = SpawnJournal(tmp_path / "spawns")  # the box's spawn journal, in its state directory
         try:
             data = tmp_path / "data"
             (data / host).mkdir(parents=True)
@@ -407,7 +448,8 @@ async def test_evidence_is_create_only_and_the_same_after_a_restart(world: World
 
     # The agent restarts: a new tree object with no memory of the spawn or of the first evidence.
     assert world.tree.root is not None
-    restarted = CgroupTree(world.tree.root, world.tree.box_label)
+    assert world.tree.journal is not None
+    restarted = CgroupTree(world.tree.root, world.tree.box_label, journal=world.tree.journal.dir)
     again = await world.evidence(tree=restarted, store=s3)
     assert isinstance(again, Evidenced) and not again.created
     assert again.evidence == first.evidence  # the original, with its evidence_at (the H clock's start)
@@ -424,12 +466,83 @@ async def test_evidence_is_create_only_and_the_same_after_a_restart(world: World
 
 
 async def test_a_never_spawned_host_still_runs_every_step(world: World, s3: tuple[S3Store, str]) -> None:
+    """§5.3 "A durably never-spawned operation": the box's spawn journal records no spawn of the host, and every
+    step still runs."""
     result = await world.evidence(store=s3)
     assert isinstance(result, Evidenced)
     ev = result.evidence
-    assert "absent" in ev.steps[0].detail and ev.steps[0].pids == ()
+    assert "absent" in ev.steps[0].detail and "records no spawn of the host" in ev.steps[0].detail
+    assert ev.steps[0].pids == ()
     assert not world.tree.leaf(world.host).exists()  # the cleanup-only call created nothing
     assert ev.n is None and ev.db_sha256 == ""
+
+
+def restarted(world: World, *, boot_id: Path | None = None) -> CgroupTree:
+    """The agent after a restart: a new tree and journal over the same box state, nothing in memory."""
+    assert world.tree.root is not None and world.tree.journal is not None
+    journal = SpawnJournal(world.tree.journal.dir, boot_id=boot_id or BOOT_ID)
+    return CgroupTree(world.tree.root, world.tree.box_label, journal=journal)
+
+
+async def test_an_absent_group_after_strict_spawns_is_evidence_after_a_restart(
+    world: World, s3: tuple[S3Store, str]
+) -> None:
+    world.write_rows(2)
+    descendant = world.spawn_tree()
+    drain = await world.tree.kill_and_drain(world.host, within_s=10)
+    assert drain.drained and not alive(descendant)
+    assert world.tree.remove_leaf(world.host)  # the group is gone: only the journal says how the host ran
+
+    result = await world.evidence(tree=restarted(world), store=s3)
+    assert isinstance(result, Evidenced), getattr(result, "message", "")
+    step1 = result.evidence.steps[0]
+    assert step1.ok and "absent" in step1.detail and "1 strict and 0 non-strict" in step1.detail
+    again = await world.evidence(tree=restarted(world), store=s3)
+    assert isinstance(again, Evidenced) and not again.created and again.evidence == result.evidence
+
+
+async def test_an_absent_group_after_a_non_strict_spawn_refuses_with_an_alert(
+    world: World, s3: tuple[S3Store, str], tmp_path: Path
+) -> None:
+    """A spawn placed best-effort (journaled non-strict) whose process runs outside every group hostmove reads:
+    neither the host's group (absent) nor the agent's (step 2) can show it, so evidence refuses until the box
+    reboots, with the same answer after an agent restart (joint D3)."""
+    assert world.tree.journal is not None
+    world.tree.journal.record(world.host, strict=False)  # the pre-move best-effort child of §5.3
+    ready = tmp_path / "loose.pid"
+    loose = world.reaper.start(forker("sleep", str(ready)), home=world.home)  # outside the host's and agent's groups
+    read_pid(ready)
+
+    refused = await world.evidence(store=s3)
+    assert isinstance(refused, EvidenceRefused)
+    assert refused.codes == ("escape-possible",) and refused.alert
+    assert "spawned it 1 time(s) in this boot without strict containment" in refused.message
+    assert not refused.steps[0].ok and all(s.ok for s in refused.steps[1:])
+    assert world.checkpoints == [] and isinstance(await stored(s3, world), Missing)
+
+    after_restart = await world.evidence(tree=restarted(world), store=s3)
+    assert isinstance(after_restart, EvidenceRefused)
+    assert (after_restart.codes, after_restart.reasons) == (refused.codes, refused.reasons)
+
+    loose.kill()
+    loose.wait(timeout=10)
+    still = await world.evidence(tree=restarted(world), store=s3)
+    assert isinstance(still, EvidenceRefused) and still.codes == ("escape-possible",), "the journal is not memory"
+
+    rebooted = tmp_path / "boot_id"
+    rebooted.write_text("00000000-0000-4000-8000-000000000000\n")
+    result = await world.evidence(tree=restarted(world, boot_id=rebooted), store=s3)
+    assert isinstance(result, Evidenced), getattr(result, "message", "")
+    assert "only from an earlier boot" in result.evidence.steps[0].detail
+
+
+async def test_an_absent_group_without_a_spawn_journal_refuses(world: World, s3: tuple[S3Store, str]) -> None:
+    assert world.tree.root is not None
+    unjournaled = CgroupTree(world.tree.root, world.tree.box_label)
+    refused = await world.evidence(tree=unjournaled, store=s3)
+    assert isinstance(refused, EvidenceRefused) and refused.codes == ("escape-possible",) and refused.alert
+    assert "keeps no spawn journal" in refused.message
+    assert world.checkpoints == [] and isinstance(await stored(s3, world), Missing)
 
 
 async def test_a_corrupt_existing_evidence_is_an_error(world: World, s3: tuple[S3Store, str]) -> None:

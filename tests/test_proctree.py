@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from services.box.proctree import (
     AGENT_LEAF,
     CgroupTree,
+    SpawnJournal,
     StrictRefused,
     current_cgroup_dir,
     find_cgroup2_root,
@@ -254,6 +255,72 @@ async def test_hosts_are_isolated(box: tuple[CgroupTree, Path], tmp_path: Path) 
     assert tree.populated("two.example")
     await tree.kill_and_drain("two.example", within_s=10)
     assert not alive(d2)
+
+
+# -- the spawn journal (§5.3 "An absent host cgroup is insufficient where an earlier spawn could escape") --------
+
+
+def test_the_journal_counts_this_boots_spawns_durably(tmp_path: Path) -> None:
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-a\n")
+    journal = SpawnJournal(tmp_path / "spawns", boot_id=boot)
+    empty = journal.history(HOST)
+    assert (empty.readable, empty.attempted) == (True, False) and "records no spawn" in empty.detail
+    journal.record(HOST, strict=True)
+    journal.record(HOST, strict=True)
+    journal.record(HOST, strict=False)
+    journal.record("other.example", strict=True)
+    again = SpawnJournal(tmp_path / "spawns", boot_id=boot).history(HOST)  # a restarted agent: nothing in memory
+    assert (again.readable, again.boot_id, again.strict, again.loose) == (True, "boot-a", 2, 1)
+
+    boot.write_text("boot-b\n")  # after a reboot every earlier process is gone: the counts are void
+    after = journal.history(HOST)
+    assert (after.readable, after.strict, after.loose) == (True, 0, 0) and "earlier boot (boot-a)" in after.detail
+    assert journal.record(HOST, strict=True).strict == 1 and journal.history(HOST).loose == 0
+
+
+def test_an_unreadable_journal_is_unknown_never_empty(tmp_path: Path) -> None:
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-a\n")
+    journal = SpawnJournal(tmp_path / "spawns", boot_id=boot)
+    journal.path(HOST).write_text('{"host": "shop.example.com", "boot_id": "boot-a", "strict": -1, "loose": 0}')
+    bad = journal.history(HOST)
+    assert not bad.readable and "'strict'" in bad.detail
+    journal.path(HOST).write_text("{not json")
+    assert not journal.history(HOST).readable
+    journal.path(HOST).unlink()
+    (tmp_path / "spawns").rmdir()
+    assert not journal.history(HOST).readable and "is gone" in journal.history(HOST).detail
+    assert not SpawnJournal(tmp_path / "j2", boot_id=tmp_path / "no-boot-id").history(HOST).readable
+
+
+def test_a_tree_without_a_journal_knows_nothing(box: tuple[CgroupTree, Path]) -> None:
+    tree, _ = box
+    history = tree.spawn_history(HOST)
+    assert not history.readable and "keeps no spawn journal" in history.detail
+
+
+def test_a_strict_spawn_is_journaled_before_it_runs(box: tuple[CgroupTree, Path], tmp_path: Path) -> None:
+    tree, _ = box
+    tree.journal = SpawnJournal(tmp_path / "spawns")
+    marker = tmp_path / "ran"
+    tree.spawn_strict(
+        HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path, stdout=tmp_path / "o", stderr=tmp_path / "e"
+    ).process.wait(timeout=10)
+    assert marker.exists()
+    history = tree.spawn_history(HOST)
+    assert (history.readable, history.strict, history.loose) == (True, 1, 0)
+
+    # A journal that cannot be written refuses the spawn: nothing runs that the journal does not know of.
+    (tmp_path / "spawns").rename(tmp_path / "spawns.moved")
+    (tmp_path / "spawns").write_text("not a directory")
+    marker.unlink()
+    with pytest.raises(StrictRefused, match="spawn journal"):
+        tree.spawn_strict(
+            HOST, ["/bin/touch", str(marker)], env=python_env(), cwd=tmp_path,
+            stdout=tmp_path / "o", stderr=tmp_path / "e",
+        )
+    assert not marker.exists() and not tree.populated(HOST)
 
 
 # -- scans ---------------------------------------------------------------------------------------------------

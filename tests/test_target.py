@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import sqlite3
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,12 @@ from events.claim import Holder, Op, Touched
 from events.record import Move, MoveSource, Record, Rollback
 from hostmove import rules
 from hostmove.ports import ManualClock, SystemRandom, WallClock
-from hostmove.probe_apps import free_port
+from hostmove.probe_apps import ProbeApps, free_port
 from hostmove.stackinfo import StackInfo
 from moveprobe.config import probe_env
 from services.box.archive import build_archive, manifest_bytes
 from services.box.markers import read_files_gen, read_generation_marker, read_local_gen
+from services.box.proctree import CgroupTree, SpawnJournal, current_cgroup_dir
 from services.box.registry import Registry
 from services.box.replica.install import read_install
 from services.box.replica.replicator import Replicator
@@ -56,6 +59,7 @@ from services.target.readiness import (
     write_report,
 )
 from services.target.worker import Configure, LandingWorker, TargetBox, staging_prefix
+from tests.helpers.cgtest import alive, box_tree, cgroup_root, forker, python_env, read_pid, wait_for
 
 INC = "ef" * 32
 MV = "mv_" + "a" * 26
@@ -321,6 +325,127 @@ async def test_the_cut_deadline_bounds_the_whole_probe() -> None:
     assert (res.ok, res.reason) == (False, "cut_deadline"), "a settle past the cut deadline is not begun"
 
 
+# -- the probe is a strict spawn (§5.3 "Every spawn under a move is strict", §7.7) ---------------------------------
+
+CGSERVE = Path(__file__).parent / "helpers" / "cgserve.py"
+QUICK = ProbeTiming(window_s=15, settle_s=0.2, first_backoff_s=0.05, poll_s=0.05, request_timeout_s=1.0)
+PROBED = "probe.example.com"
+
+
+@pytest.fixture
+def probe_box(unique: Callable[[str], str], tmp_path: Path) -> Iterator[CgroupTree]:
+    """A target box's cgroups with its spawn journal, scrubbed afterwards."""
+    with box_tree(unique("box.probe")) as (tree, _home):
+        tree.journal = SpawnJournal(tmp_path / "spawns")
+        yield tree
+
+
+def v2_cgroup(text: str) -> str:
+    """The cgroup v2 path in a ``/proc/<pid>/cgroup`` text (``0::<path>``; hybrid hosts list v1 lines too)."""
+    return next(line[3:] for line in text.splitlines() if line.startswith("0::"))
+
+
+def leaf_path(tree: CgroupTree, host: str) -> str:
+    return "/" + str(tree.leaf(host).relative_to(cgroup_root()))
+
+
+async def test_the_probe_and_its_forked_worker_run_in_the_leaf_and_stop_drains_it(
+    probe_box: CgroupTree, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    app = ProcessApp(argv=[sys.executable, str(CGSERVE), str(port), str(out)], port=port, host=PROBED,
+                     tree=probe_box, request_timeout_s=1.0)
+    try:
+        res = await probe_attempt(app, WallClock(), QUICK)
+        assert res.ok, res.describe()
+        assert app.spawned is not None
+        main_pid, worker = app.spawned.pid, read_pid(out / "worker.pid")
+        # each read its own cgroup as its first act: both were in the host's leaf from the start
+        assert v2_cgroup(read_text(out / "main.cgroup")) == leaf_path(probe_box, PROBED)
+        assert v2_cgroup(read_text(out / "worker.cgroup")) == leaf_path(probe_box, PROBED)
+        assert set(probe_box.members(PROBED)) == {main_pid, worker}
+        history = probe_box.spawn_history(PROBED)
+        assert (history.readable, history.strict, history.loose) == (True, 1, 0), "journaled as strict"
+
+        os.kill(main_pid, signal.SIGKILL)  # the main process dies; its worker outlives it in the leaf
+        wait_for(lambda: app.spawned is not None and app.spawned.process.poll() is not None, "the main process")
+        assert not await app.running() and alive(worker) and probe_box.populated(PROBED)
+
+        await app.stop()
+        assert not alive(worker), "the forked worker was killed with the leaf"
+        assert "populated 0" in (probe_box.leaf(PROBED) / "cgroup.events").read_text()
+        assert probe_box.members(PROBED) == ()
+    finally:
+        await app.stop()
+
+
+def read_text(path: Path) -> str:
+    wait_for(path.exists, f"{path}")
+    return path.read_text()
+
+
+async def test_without_cgroup_v2_the_probe_fails_its_attempt_and_starts_nothing(tmp_path: Path) -> None:
+    tree = CgroupTree(None, "box-without-cgroup2")
+    marker = tmp_path / "ran"
+    made: list[ProcessApp] = []
+
+    async def attempt(i: int) -> ProbeApp:
+        app = ProcessApp(argv=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"], port=free_port(),
+                         host=PROBED, tree=tree)
+        made.append(app)
+        return app
+
+    res, running = await run_probe(attempt, WallClock(), QUICK, t11_admitted=3)
+    assert not res.ok and running is None
+    assert [(a.reason, a.starts) for a in res.attempts] == [("strict_refused", 1)], "one attempt, no retry"
+    assert len(made) == 1 and made[0].spawned is None
+    assert "refused to start the app outside its cgroup" in res.describe() and "no cgroup v2" in res.describe()
+    assert not marker.exists(), "nothing ran"
+
+
+async def test_a_populated_leaf_refuses_the_probe_and_leaves_no_process(probe_box: CgroupTree, tmp_path: Path) -> None:
+    """A strict spawn needs an empty group: a process already there refuses the attempt (never a second,
+    unaccounted process beside it), and the refused app's stop touches nothing it did not start."""
+    ready, marker = tmp_path / "sleeper.pid", tmp_path / "ran"
+    sleeper = probe_box.spawn_strict(PROBED, forker("sleep", str(ready)), env=python_env(), cwd=tmp_path,
+                                     stdout=tmp_path / "o", stderr=tmp_path / "e")
+    read_pid(ready)
+    app = ProcessApp(argv=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"], port=free_port(), host=PROBED,
+                     tree=probe_box)
+    res = await probe_attempt(app, WallClock(), QUICK)
+    assert (res.ok, res.reason, res.starts) == (False, "strict_refused", 1)
+    assert "still has processes" in res.detail and str(sleeper.pid) in res.detail
+    assert probe_box.members(PROBED) == (sleeper.pid,) and not marker.exists()
+    assert probe_box.spawn_history(PROBED).strict == 1, "a refused spawn is not journaled: it never started"
+    await app.stop()
+    assert alive(sleeper.pid) and probe_box.members(PROBED) == (sleeper.pid,)
+
+
+async def test_probe_apps_spawn_moveprobe_strictly_and_leave_no_cgroup(tmp_path: Path) -> None:
+    """The embedded default's probe factory: moveprobe and its forked worker in the host's leaf of a tree of the
+    factory's own; the stop drains it and removes what the factory made."""
+    home = current_cgroup_dir(cgroup_root())
+    assert home is not None
+    (tmp_path / "data").mkdir()
+    apps = ProbeApps(home, tmp_path)
+    app = await apps.factory(PROBED, 1, tmp_path / "data" / f"{PROBED}.db")
+    tree = apps.tree
+    assert tree is not None and tree.base is not None
+    try:
+        res = await probe_attempt(app, WallClock(), QUICK)
+        assert res.ok, res.describe()
+        members = tree.members(PROBED)
+        assert len(members) == 2, f"moveprobe and its forked worker, both in the leaf: {members}"
+        for pid in members:
+            assert v2_cgroup(Path(f"/proc/{pid}/cgroup").read_text()) == leaf_path(tree, PROBED)
+    finally:
+        await apps.stop_all()
+    assert not any(alive(pid) for pid in members)
+    assert not tree.base.exists(), "the factory's own cgroups are removed"
+
+
 # -- readiness (§7.3) -------------------------------------------------------------------------------
 
 
@@ -385,6 +510,7 @@ class World:
     key: Any
     apps: list[ProcessApp]
     workers: list[LandingWorker]
+    tree: CgroupTree
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
@@ -395,10 +521,12 @@ async def world_module(stack: StackInfo, unique: Callable[[str], str],
     bucket = unique("target")
     await store.create_bucket(bucket)
     ledger = Ledger(store, events, WallClock(), Actor(service="target", pid=1, nonce="t"), bucket)
-    w = World(store, events, bucket, ledger, tmp_path_factory.mktemp("target"), generate_private_key(), [], [])
-    yield w
-    for app in w.apps:
-        await app.stop()
+    with box_tree(unique("box.uk")) as (tree, _home):  # the target box's cgroups: every probe is a strict spawn
+        w = World(store, events, bucket, ledger, tmp_path_factory.mktemp("target"), generate_private_key(), [], [],
+                  tree)
+        yield w
+        for app in w.apps:
+            await app.stop()
     await store.delete_bucket(bucket)
     await events.close()
     await store.close()
@@ -429,14 +557,15 @@ def make_box(w: World, label: str, *, ready: bool = True, faults: Callable[[str]
         if moveprobe:  # the sample app: it opens the installed database and writes a boot row into it
             argv = [sys.executable, "-m", "moveprobe"]
             env = probe_env(data_dir=db_path.parent, host=host, region="uk", ack_log=box_dir / f"{host}.acks",
-                            port=port, interval_s=3600, worker=False)
+                            port=port, interval_s=3600)  # with its forked worker: the stop drains the leaf
             ready_path = "/ready"
         elif ready:  # a real process answering on its readiness path, serving the installed files
             argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
                     "--directory", str(db_path.parent / host)]
         else:  # a real process that never answers
             argv = [sys.executable, "-c", "import time; time.sleep(60)"]
-        app = ProcessApp(argv=argv, port=port, ready_path=ready_path, env=env, request_timeout_s=0.5)
+        app = ProcessApp(argv=argv, port=port, host=host, tree=w.tree, ready_path=ready_path, env=env,
+                         request_timeout_s=0.5)
         w.apps.append(app)
         return app
 

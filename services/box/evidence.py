@@ -3,7 +3,11 @@
 ``ReconstructStopEvidence(host)`` reads the box's current state, so it gives the same answer after an agent
 restart as before ("no entry in memory" is never evidence, codex R2-2):
 
-1. **kill and drain** the host's cgroup until ``populated 0`` (the cleanup-only ``ReopenAndDrain``);
+1. **kill and drain** the host's cgroup until ``populated 0`` (the cleanup-only ``ReopenAndDrain``). An **absent**
+   cgroup passes only when the box's spawn journal shows that no spawn of the host in this boot could have
+   escaped containment (every one strict, or none at all: the "durably never-spawned" case); an unreadable journal
+   or a non-strict spawn refuses with an alert (joint D3 "An absent host cgroup is insufficient where an earlier
+   spawn could escape containment"; rule ``absent-cgroup-insufficient``);
 2. **no stray process** in the agent's own leaf (anything there is unattributable: refuse and alert);
 3. **no open database**: no process holds the database, WAL or SHM open (``/proc/*/fd``);
 4. **lease released**: the host's lease is absent, released, or expired by more than its renewal margin;
@@ -33,8 +37,9 @@ from urllib.parse import quote
 
 from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
 from events.ids import is_op_id
+from hostmove import rules
 from hostmove.ports import Clock
-from services.box.proctree import Drain, HolderScan, ProcessTree, StrayScan
+from services.box.proctree import Drain, HolderScan, ProcessTree, SpawnHistory, StrayScan
 from services.objstore.port import Missing, ObjectStore, StoreError, Won
 
 __all__ = [
@@ -62,8 +67,18 @@ __all__ = [
 
 Role = Literal["source", "target"]
 StepName = Literal["kill-and-drain", "no-stray-process", "no-open-database", "lease-released", "final-checkpoint"]
-RefusalCode = Literal["live-process", "stray-process", "database-held", "scan-incomplete", "lease-held", "conflict"]
+RefusalCode = Literal[
+    "live-process", "escape-possible", "stray-process", "database-held", "scan-incomplete", "lease-held", "conflict"
+]
 _HEX = frozenset("0123456789abcdef")
+
+rules.register(
+    "absent-cgroup-insufficient",
+    section="§5.3 joint D3 'An absent host cgroup is insufficient where an earlier spawn could escape containment'",
+    meaning="an absent host cgroup clears step 1 only when the box's spawn journal shows every spawn of the host in "
+    "this boot strict, or none; a non-strict spawn or an unreadable journal refuses evidence with an alert",
+    site="services/box/evidence.py decide, step 1 with an absent group",
+)
 
 
 def _is_sha256(text: str) -> bool:
@@ -202,12 +217,14 @@ class StopHooks:
 
 @dataclass(frozen=True)
 class Observed:
-    """Steps 1 to 4 as observed, before any decision."""
+    """Steps 1 to 4 as observed, before any decision; ``history`` is the box's spawn journal for the host,
+    which decides what an absent group proves (step 1)."""
 
     drain: Drain
     strays: StrayScan
     holders: HolderScan
     lease: LeaseObservation
+    history: SpawnHistory
 
 
 @dataclass(frozen=True)
@@ -274,6 +291,37 @@ def _pids(pids: tuple[int, ...], names: tuple[str, ...] = ()) -> str:
     return ", ".join(str(p) for p in pids)
 
 
+def _absent_group(host: str, d: Drain, history: SpawnHistory) -> tuple[StepObservation, str]:
+    """Step 1 with no group to drain (§5.3 joint D3): what the absence proves depends on how the host was spawned.
+    Answers the step and, when it refuses, the reason. A strict group cannot be removed while populated, so an
+    absent one held nothing; a non-strict spawn's processes may be anywhere, and an unknown history proves nothing.
+    """
+    if not rules.on("absent-cgroup-insufficient"):
+        detail = f"cgroup {d.leaf} absent: no strict spawn of this host is running (every spawn is strict)"
+        return StepObservation(step=1, name="kill-and-drain", ok=True, detail=_plain(detail)), ""
+    if not history.readable:
+        detail = f"cgroup {d.leaf} absent and the spawn history is unknown: {history.detail}"
+        reason = (
+            f"host {host}'s process group is absent and the box cannot show that every earlier spawn of it was "
+            f"contained ({history.detail}); an absent group proves a stop only with a readable spawn journal"
+        )
+        return StepObservation(step=1, name="kill-and-drain", ok=False, detail=_plain(detail)), _plain(reason)
+    if history.loose:
+        detail = f"cgroup {d.leaf} absent; {history.detail}"
+        reason = (
+            f"host {host}'s process group is absent, and this box spawned it {history.loose} time(s) in this boot "
+            "without strict containment, so its processes may still run outside any group: find and stop them; "
+            "the box's spawn journal counts this boot only, so evidence from an absent group needs a reboot"
+        )
+        return StepObservation(step=1, name="kill-and-drain", ok=False, detail=_plain(detail)), _plain(reason)
+    why = (
+        "every one was strict, and a strict group cannot be removed while populated" if history.strict
+        else "nothing could have escaped a group"
+    )
+    detail = f"cgroup {d.leaf} absent; {history.detail}: {why}"
+    return StepObservation(step=1, name="kill-and-drain", ok=True, detail=_plain(detail)), ""
+
+
 def decide(host: str, seen: Observed) -> Cleared | Refusal:
     """Evidence or refusal from steps 1 to 4 (§5.3). Pure: the same observations give the same answer."""
     steps: list[StepObservation] = []
@@ -294,8 +342,11 @@ def decide(host: str, seen: Observed) -> Cleared | Refusal:
         )
         codes.append("live-process")
     elif not d.existed:
-        detail = f"cgroup {d.leaf} absent: no strict spawn of this host is running (every spawn is strict)"
-        steps.append(StepObservation(step=1, name="kill-and-drain", ok=True, detail=_plain(detail)))
+        step, reason = _absent_group(host, d, seen.history)
+        steps.append(step)
+        if reason:
+            reasons.append(reason)
+            codes.append("escape-possible")
     else:
         killed = f"; killed pids {_pids(d.pids_before)}" if d.pids_before else "; it was already empty"
         detail = f"cgroup {d.leaf} populated 0 after {d.waited_ms} ms{killed}"
@@ -368,7 +419,7 @@ async def observe(
     drain = await tree.reopen_and_drain(host, within_s=drain_within_s)
     strays = tree.strays(own_pid if own_pid is not None else os.getpid())
     holders = tree.holders(database_paths(db_path), uid=holder_uid)
-    return Observed(drain, strays, holders, lease())
+    return Observed(drain, strays, holders, lease(), tree.spawn_history(host))
 
 
 async def reconstruct_stop_evidence(

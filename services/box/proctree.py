@@ -14,6 +14,11 @@ processes; :class:`CgroupTree` is the real implementation over the cgroup v2 hie
 - **Kill and drain** (§5.3 step 1, ``KillAndEmpty``): write ``cgroup.kill``, poll ``cgroup.events`` until
   ``populated 0`` within a deadline. :meth:`CgroupTree.reopen_and_drain` is the cleanup-only call
   (``ReopenAndDrain``): it kills and drains an existing group and never creates one, so it grants no spawn right.
+- **The spawn journal** (§5.3 "An absent host cgroup is insufficient where an earlier spawn could escape
+  containment"): :class:`SpawnJournal` records, durably and before the process exists, every spawn attempt of a
+  host in this boot and whether it was strict. A tree given a journal writes it in :meth:`CgroupTree.spawn_strict`;
+  :meth:`CgroupTree.spawn_history` reads it back, so stop evidence can tell an absent leaf that proves nothing ran
+  outside containment from one that proves nothing. Counts from an earlier boot are void (a reboot ended them).
 - **Without cgroup v2** the box says so (:meth:`CgroupTree.strict_available`) and every spawn refuses: strict
   spawns are a precondition of taking part in a move (ARCHITECTURE §6).
 - **Scans.** :func:`open_holders` reads ``/proc/*/fd`` (and ``/proc/*/maps``, since SQLite maps the SHM) for
@@ -27,6 +32,7 @@ Callers serialize spawns and stops of one host with the host guard (spec §6.4);
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import select
@@ -38,15 +44,19 @@ from pathlib import Path
 from typing import Protocol
 
 from bus.subjects import SubjectError, decode_token, encode_token
+from hostmove.fsutil import atomic_write
 from hostmove.ports import Clock, WallClock
 
 __all__ = [
     "AGENT_LEAF",
+    "BOOT_ID",
     "CgroupTree",
     "Drain",
     "Holder",
     "HolderScan",
     "ProcessTree",
+    "SpawnHistory",
+    "SpawnJournal",
     "Spawned",
     "StrayScan",
     "StrictRefused",
@@ -56,6 +66,7 @@ __all__ = [
     "leaf_name",
     "open_holders",
     "process_name",
+    "read_boot_id",
     "stray_processes",
 ]
 
@@ -68,6 +79,7 @@ _LEAF = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _POLL_S = 0.005
 _REKILL_S = 0.1
 _PLACEMENT_TIMEOUT_S = 10.0
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 # The shim: place itself, say so on the status pipe (its stdin while it runs), give the app /dev/null as
 # stdin, exec the app. It never execs unplaced. (dash takes only one-digit descriptors, hence fd 0.)
@@ -233,6 +245,112 @@ class Spawned:
     process: subprocess.Popen[bytes] = field(repr=False)
 
 
+@dataclass(frozen=True)
+class SpawnHistory:
+    """What the box's spawn journal says about one host's spawns in the current boot (§5.3, joint D3).
+
+    ``readable`` is false when the journal is missing, unreadable or the boot cannot be identified: then nothing is
+    known, never "no spawn". ``strict`` and ``loose`` count the spawn attempts of this boot (``loose``: placed
+    best-effort or not at all, so its processes may run outside the host's group).
+    """
+
+    host: str
+    readable: bool
+    boot_id: str = ""
+    strict: int = 0
+    loose: int = 0
+    detail: str = ""
+
+    @property
+    def attempted(self) -> bool:
+        return self.strict + self.loose > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The spawn journal
+
+
+def read_boot_id(path: str | Path = BOOT_ID) -> str:
+    """This boot's identity (the kernel's random ``boot_id``); raises ``OSError`` when it cannot be read."""
+    text = Path(path).read_text(encoding="ascii").strip()
+    if not text:
+        raise OSError(f"{path} is empty")
+    return text
+
+
+class SpawnJournal:
+    """A box's durable record of spawn attempts per host (§5.3 "An absent host cgroup is insufficient where an
+    earlier spawn could escape containment").
+
+    One file per host, ``<dir>/<leaf_name(host)>.json``: ``{"host", "boot_id", "strict", "loose", "last_at_ms"}``,
+    replaced atomically and fsynced **before** the spawn it records starts, so a crash can only overstate what ran.
+    A record of an earlier boot counts for nothing (every process of that boot ended with it). Callers serialize
+    spawns of one host with the host guard (§6.4); the journal holds no memory, so a restarted agent reads the same.
+    """
+
+    def __init__(self, directory: str | Path, *, clock: Clock | None = None, boot_id: str | Path = BOOT_ID) -> None:
+        """Open (creating) the journal directory: from then on the absence of a host's record means no spawn."""
+        self.dir = Path(directory)
+        self.clock: Clock = clock or WallClock()
+        self._boot_path = Path(boot_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, host: str) -> Path:
+        return self.dir / f"{leaf_name(host)}.json"
+
+    def _read(self, host: str) -> tuple[str, int, int] | None:
+        """``(boot_id, strict, loose)`` of the host's record, ``None`` without one; ``ValueError`` when malformed."""
+        path = self.path(host)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("host") != host:
+            raise ValueError(f"{path} is not this host's spawn record")
+        boot, strict, loose = doc.get("boot_id"), doc.get("strict"), doc.get("loose")
+        if not isinstance(boot, str) or not boot:
+            raise ValueError(f"{path} has no boot_id")
+        for name, value in (("strict", strict), ("loose", loose)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{path} has no valid {name!r} count")
+        assert isinstance(strict, int) and isinstance(loose, int)
+        return boot, strict, loose
+
+    def history(self, host: str) -> SpawnHistory:
+        """The host's spawns in the current boot, from the journal alone. Never raises: an unreadable journal or
+        boot identity is ``readable=False`` with the reason."""
+        try:
+            boot = read_boot_id(self._boot_path)
+        except OSError as exc:
+            return SpawnHistory(host, False, detail=f"cannot identify this boot ({self._boot_path}): {exc}")
+        if not self.dir.is_dir():
+            return SpawnHistory(host, False, boot, detail=f"the box's spawn journal {self.dir} is gone")
+        try:
+            got = self._read(host)
+        except (OSError, ValueError) as exc:
+            return SpawnHistory(host, False, boot, detail=f"cannot read the spawn journal {self.path(host)}: {exc}")
+        if got is None:
+            return SpawnHistory(host, True, boot, detail=f"the spawn journal {self.dir} records no spawn of the host")
+        if got[0] != boot:
+            return SpawnHistory(host, True, boot, detail=f"the spawn journal records spawns only from an earlier "
+                                f"boot ({got[0]}), whose processes ended with it")
+        _, strict, loose = got
+        return SpawnHistory(host, True, boot, strict, loose,
+                            f"the spawn journal records {strict} strict and {loose} non-strict spawn(s) in this boot")
+
+    def record(self, host: str, *, strict: bool) -> SpawnHistory:
+        """Record one spawn attempt of ``host`` before it starts (durable when this returns). Raises ``OSError`` or
+        ``ValueError`` when it cannot, and then the spawn must not happen."""
+        boot = read_boot_id(self._boot_path)
+        got = self._read(host)
+        strict_n, loose_n = (got[1], got[2]) if got is not None and got[0] == boot else (0, 0)
+        strict_n, loose_n = (strict_n + 1, loose_n) if strict else (strict_n, loose_n + 1)
+        body = {"host": host, "boot_id": boot, "strict": strict_n, "loose": loose_n, "last_at_ms": self.clock.now_ms()}
+        atomic_write(self.path(host), json.dumps(body, sort_keys=True).encode("utf-8"))  # fsyncs file and directory
+        return SpawnHistory(host, True, boot, strict_n, loose_n)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Scans
 
@@ -339,6 +457,10 @@ class ProcessTree(Protocol):
 
     def populated(self, host: str) -> bool: ...
 
+    def spawn_history(self, host: str) -> SpawnHistory:
+        """The box's durable record of this host's spawns in the current boot (§5.3, joint D3)."""
+        ...
+
     def members(self, host: str) -> tuple[int, ...]: ...
 
     async def kill_and_drain(self, host: str, *, within_s: float) -> Drain: ...
@@ -358,20 +480,38 @@ class CgroupTree:
     """The real :class:`ProcessTree` over cgroup v2: ``<root>/hostmove/<box>/<host>`` (spec §5.3).
 
     Holds no state that evidence depends on: a new object (a restarted agent) reads the same groups.
-    ``root=None`` (no cgroup v2 on this machine) makes every strict spawn refuse.
+    ``root=None`` (no cgroup v2 on this machine) makes every strict spawn refuse. ``journal`` is the box's
+    :class:`SpawnJournal` (a directory in the box's state): every strict spawn is recorded there first. Without
+    one nothing is recorded and :meth:`spawn_history` knows nothing, so an absent leaf never counts as evidence.
     """
 
-    def __init__(self, root: str | Path | None, box_label: str, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path | None,
+        box_label: str,
+        *,
+        clock: Clock | None = None,
+        journal: SpawnJournal | str | Path | None = None,
+    ) -> None:
         self.root = Path(root) if root is not None else None
         self.box_label = box_label
         self.clock: Clock = clock or WallClock()
         self.base = self.root / BASE_DIR / leaf_name(box_label) if self.root is not None else None
+        self.journal = journal if isinstance(journal, SpawnJournal) or journal is None else SpawnJournal(
+            journal, clock=self.clock)
         self._children: list[subprocess.Popen[bytes]] = []
 
     @classmethod
-    def discover(cls, box_label: str, *, clock: Clock | None = None, mounts: str | Path = "/proc/mounts") -> CgroupTree:
+    def discover(
+        cls,
+        box_label: str,
+        *,
+        clock: Clock | None = None,
+        mounts: str | Path = "/proc/mounts",
+        journal: SpawnJournal | str | Path | None = None,
+    ) -> CgroupTree:
         """A tree on this machine's cgroup v2 mount (found in ``/proc/mounts``), or a refusing one without it."""
-        return cls(find_cgroup2_root(mounts), box_label, clock=clock)
+        return cls(find_cgroup2_root(mounts), box_label, clock=clock, journal=journal)
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -445,14 +585,22 @@ class CgroupTree:
     ) -> Spawned:
         """Start ``argv`` inside the host's empty leaf; it is placed before the app executes (§5.3 strict).
 
-        Raises :class:`StrictRefused` (nothing ran) when the group is populated or placement fails, and
-        ``FileNotFoundError`` when ``argv[0]`` is not found on the given ``PATH``.
+        Raises :class:`StrictRefused` (nothing ran) when the group is populated, the spawn cannot be journaled
+        or placement fails, and ``FileNotFoundError`` when ``argv[0]`` is not found on the given ``PATH``.
         """
         if not argv:
             raise ValueError("spawn_strict needs a program to run")
         if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
             raise FileNotFoundError(f"program not found for host {host!r}: {argv[0]}")
         leaf = self.prepare_strict(host)
+        if self.journal is not None:
+            try:
+                self.journal.record(host, strict=True)
+            except (OSError, ValueError) as exc:
+                raise StrictRefused(
+                    f"host {host!r} was not started: its spawn could not be recorded in the box's spawn journal "
+                    f"{self.journal.dir} ({exc}); fix the journal's directory so stop evidence can rely on it"
+                ) from None
         read_end, write_end = os.pipe()
         try:
             with open(stdout, "ab") as out, open(stderr, "ab") as err:
@@ -512,6 +660,12 @@ class CgroupTree:
             return _populated(leaf)
         except FileNotFoundError:
             return False
+
+    def spawn_history(self, host: str) -> SpawnHistory:
+        """The journal's account of this host's spawns in this boot; unknown (``readable=False``) without one."""
+        if self.journal is None:
+            return SpawnHistory(host, False, detail=f"box {self.box_label} keeps no spawn journal")
+        return self.journal.history(host)
 
     def members(self, host: str) -> tuple[int, ...]:
         leaf = self.leaf(host)

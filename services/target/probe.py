@@ -9,6 +9,13 @@ an app that answers at or after the deadline is stopped and the attempt fails. A
 ``min(3, T11's admitted attempts)`` attempts; the absolute ``hard_deadline_ms`` (the cut deadline,
 §7.4) bounds the whole. A probe never marks the host failed: its failure is the landing's rollback.
 
+Every start is the box's **strict spawn** (§5.3 "Every spawn under a move is strict": the target's probe):
+:class:`ProcessApp` starts through :meth:`~services.box.proctree.ProcessTree.spawn_strict` into the host's leaf
+and stops by killing and draining that leaf, so a forked worker that outlives the main process goes too. A
+refused strict spawn (no cgroup v2, a populated leaf) raises :class:`~services.box.proctree.StrictRefused`
+from ``start``: the attempt fails at once with the box's reason (``strict_refused``) and no further attempt is
+made, since retrying cannot contain the app.
+
 Time is read only through the :class:`~hostmove.ports.Clock` port; durations come from a
 :class:`ProbeTiming` profile (``PRODUCTION`` = the spec's, ``FAST`` for tests and the demo).
 """
@@ -16,7 +23,6 @@ Time is read only through the :class:`~hostmove.ports.Clock` port; durations com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from typing import Literal, Protocol
 import aiohttp
 
 from hostmove.ports import Clock
+from services.box.proctree import ProcessTree, Spawned, StrictRefused
 from services.target.budget import MAX_ATTEMPTS
 
 FailReason = Literal[
@@ -36,6 +43,7 @@ FailReason = Literal[
     "settle_exited",  # the process died during the settle
     "second_request_failed",  # the request after the settle did not answer 200-399
     "cut_deadline",  # the absolute cut deadline would be passed
+    "strict_refused",  # the box refused to spawn the app strictly (§5.3): nothing started
 ]
 
 
@@ -60,7 +68,8 @@ class ProbeApp(Protocol):
     """One admitted instance the probe drives (a real process in production)."""
 
     async def start(self) -> bool:
-        """Spawn it; False when the start failed at once (the policy retries)."""
+        """Spawn it; False when the start failed at once (the policy retries). Raises
+        :class:`~services.box.proctree.StrictRefused` when the box refuses the strict spawn (§5.3): nothing ran."""
         ...
 
     async def running(self) -> bool: ...
@@ -80,10 +89,14 @@ class AttemptResult:
     deadline_ms: int | None
     ready_at_ms: int | None
     starts: int
+    detail: str = ""
+    """The box's own words for a ``strict_refused`` attempt."""
 
     def describe(self) -> str:
         if self.ok:
             return "the probe passed"
+        if self.reason == "strict_refused":
+            return f"the box refused to start the app outside its cgroup: {self.detail}"
         return {
             "window_passed_before_start": "the 30 s readiness window ended before the app could be started again",
             "deadline_unready": "the app did not answer its readiness path within the 30 s window",
@@ -92,6 +105,7 @@ class AttemptResult:
             "settle_exited": "the app exited during the 20 s settle",
             "second_request_failed": "the app stopped answering its readiness path after the settle",
             "cut_deadline": "the cut deadline would pass before the probe could finish",
+            "strict_refused": "the box refused to start the app outside its cgroup",
             None: "the probe failed",
         }[self.reason]
 
@@ -122,8 +136,8 @@ async def probe_attempt(
     starts = 0
     wait = timing.first_backoff_s
 
-    def fail(reason: FailReason, ready_at: int | None = None) -> AttemptResult:
-        return AttemptResult(False, reason, first, deadline, ready_at, starts)
+    def fail(reason: FailReason, ready_at: int | None = None, detail: str = "") -> AttemptResult:
+        return AttemptResult(False, reason, first, deadline, ready_at, starts, detail)
 
     while starts < timing.max_starts:
         now = clock.now_ms()
@@ -136,7 +150,11 @@ async def probe_attempt(
             deadline = first + round(timing.window_s * 1000)
         assert deadline is not None
         starts += 1
-        if await app.start():
+        try:
+            started = await app.start()
+        except StrictRefused as exc:
+            return fail("strict_refused", detail=str(exc))
+        if started:
             while True:
                 now = clock.now_ms()
                 if now >= deadline:
@@ -184,7 +202,8 @@ async def run_probe(
     hard_deadline_ms: int | None = None,
 ) -> tuple[ProbeResult, ProbeApp | None]:
     """Up to :func:`allowed_attempts` attempts; ``new_attempt(i)`` admits attempt ``i`` (1-based; each a
-    cold admission, §7.14). Answers the result and, on a pass, the running app (the probed writer)."""
+    cold admission, §7.14). Answers the result and, on a pass, the running app (the probed writer). A refused
+    strict spawn ends the probe: another attempt would be refused the same way (§5.3)."""
     results: list[AttemptResult] = []
     for i in range(1, allowed_attempts(t11_admitted) + 1):
         if hard_deadline_ms is not None and clock.now_ms() >= hard_deadline_ms:
@@ -195,36 +214,59 @@ async def run_probe(
         if result.ok:
             return ProbeResult(True, tuple(results)), app
         await app.stop()
+        if result.reason == "strict_refused":
+            break
     return ProbeResult(False, tuple(results)), None
+
+
+class ProbeStopUnproven(RuntimeError):
+    """A probe's process group did not drain after ``cgroup.kill``: the app is not proven stopped (§5.3 step 1)."""
 
 
 @dataclass
 class ProcessApp:
-    """A real OS process answering HTTP on ``127.0.0.1:port`` (a probe's app; the strict cgroup spawn of
-    §5.3 is the activator's and is not done here). ``CARLOS_MOVE_PROBE=1`` is set (advisory, §7.7)."""
+    """A probe's app: a real OS process answering HTTP on ``127.0.0.1:port``, strictly spawned into ``host``'s
+    cgroup leaf of the box's ``tree`` (§5.3 "Every spawn under a move is strict", the target's probe; §7.7).
+
+    ``start`` is the box's own strict spawn (the shim places the process before the app executes, so the app and
+    everything it forks run in the leaf from their first instruction); a refusal raises
+    :class:`~services.box.proctree.StrictRefused`. ``stop`` writes ``cgroup.kill`` and waits for ``populated 0``
+    (``KillAndEmpty``), so a forked worker that outlives the main process is gone too; a group that does not drain
+    raises :class:`ProbeStopUnproven`. ``CARLOS_MOVE_PROBE=1`` is set (advisory, §7.7). The app's output goes to
+    ``logs/<host>.probe.out`` and ``.err`` when ``logs`` is given, else nowhere.
+    """
 
     argv: Sequence[str]
     port: int
+    host: str
+    tree: ProcessTree
     ready_path: str = "/"
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path | None = None
+    logs: Path | None = None
     request_timeout_s: float = 2.0
-    proc: asyncio.subprocess.Process | None = None
+    drain_within_s: float = 10.0
+    spawned: Spawned | None = None
     _session: aiohttp.ClientSession | None = None
 
     async def start(self) -> bool:
         env = {**os.environ, **self.env, "CARLOS_MOVE_PROBE": "1"}
+        out: Path | str = os.devnull
+        err: Path | str = os.devnull
+        if self.logs is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            out, err = self.logs / f"{self.host}.probe.out", self.logs / f"{self.host}.probe.err"
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, env=env, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+            self.spawned = await asyncio.to_thread(
+                self.tree.spawn_strict, self.host, list(self.argv), env=env, cwd=self.cwd or os.getcwd(),
+                stdout=out, stderr=err,
             )
-        except OSError:
+        except OSError:  # the program is missing or could not be executed: nothing runs, the policy retries
             return False
         return True
 
     async def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.spawned is not None and self.spawned.process.poll() is None
 
     async def ready(self) -> bool:
         if self._session is None:
@@ -236,11 +278,18 @@ class ProcessApp:
             return False
 
     async def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            await proc.wait()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        spawned, self.spawned = self.spawned, None
+        try:
+            if spawned is not None:
+                drain = await self.tree.kill_and_drain(self.host, within_s=self.drain_within_s)
+                if not drain.drained:
+                    raise ProbeStopUnproven(
+                        f"the probe of host {self.host} did not stop: its cgroup {drain.leaf} still holds "
+                        f"{list(drain.remaining) or 'unknown processes'} after {drain.waited_ms} ms"
+                        + (f" ({drain.error})" if drain.error else "")
+                    )
+                await asyncio.to_thread(spawned.process.wait, 10)  # dead already: only reaps it
+        finally:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
