@@ -1,15 +1,16 @@
 """The activator on the real stack: real cgroup leaves, the real moveprobe app, real SQLite and SeaweedFS
 (issue 3 items 3, 5 and "how it is shown": write, sync, kill, lose the disk, cold-admit on another box;
-``writes_lost`` exactly when acknowledged writes had not been uploaded)."""
+``writes_lost`` exactly when acknowledged writes had not been uploaded; the files directory comes back from
+the files manifest every installation publishes, L17)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from services.box.activator import (
     StartRefused,
     remove_box_data,
 )
+from services.box.markers import read_files_gen
 from services.box.proctree import CgroupTree
 from services.box.registry import Registry, RouteRow
 from services.box.stamps import StampBook
@@ -80,8 +82,9 @@ class World:
         return AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=15)
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> AsyncIterator[World]:
+@asynccontextmanager
+async def open_world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> AsyncIterator[World]:
+    """A bucket, a ledger and box directories on the real stack; every leaf and the bucket go afterwards."""
     store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
     events = await NatsEventLog.connect(stack.nats_url)
     bucket = unique("activator")
@@ -109,6 +112,23 @@ async def world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) 
     await store.delete_bucket(bucket)
     await events.close()
     await store.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> AsyncIterator[World]:
+    async with open_world(stack, unique, tmp_path) as w:
+        yield w
+
+
+def tree_of(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every entry under ``root`` but ``.files-gen``: (mode, bytes, or None for a folder)."""
+    out: dict[str, tuple[int, bytes | None]] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if rel == ".files-gen":
+            continue
+        out[rel] = (path.stat().st_mode & 0o7777, None if path.is_dir() else path.read_bytes())
+    return out
 
 
 def rows(port: int) -> dict:
@@ -145,9 +165,10 @@ async def test_clean_stop_certifies_and_a_cold_admission_elsewhere_loses_nothing
     cert = await a.stop(host)
     assert cert is not None and cert.session == first.session and cert.max_txid >= 1
     assert not a_ctx.tree.populated(host), "the tree is drained, the forked worker included"
-    # The files directory (instance.key) is not replicated with the database: a move carries it in the
-    # archive and a files manifest per installation (§8.3, L17, not built yet) would restore it. Carry it.
-    shutil.copytree(a_ctx.files_dir(host), b_ctx.files_dir(host))
+    # The files directory (instance.key) is not in the database: the first installation published it as its
+    # generation's files manifest (L17, §8.3), and the cold admission on ie-b restores it from there.
+    files_before = tree_of(a_ctx.files_dir(host))
+    assert "instance.key" in files_before
     remove_box_data(a_ctx)
     await reassign(world.ledger, host, "ie-b")
     b_ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=INC))
@@ -155,6 +176,9 @@ async def test_clean_stop_certifies_and_a_cold_admission_elsewhere_loses_nothing
     assert isinstance(second, Started), second
     assert second.baseline == first.generation and second.restored_txid == cert.max_txid
     assert not second.writes_lost, "the certificate covers the predecessor session"
+    assert tree_of(b_ctx.files_dir(host)) == files_before, "the files came back from the manifest, byte for byte"
+    tag = read_files_gen(b_ctx.files_dir(host))
+    assert tag is not None and (tag.op, tag.incarnation) == (second.generation, INC)
     seen = await asyncio.to_thread(rows, second.port)
     assert seen["max_seq"] >= max(seqs)
     acked = [x for x in read_acks(world.acks / f"{host}.jsonl") if isinstance(x, RowAck)]
@@ -185,8 +209,8 @@ async def test_unsynced_acknowledged_writes_are_declared_lost(world: World, uniq
         await running.task
     await running.replicator.close()
     await a_ctx.tree.reopen_and_drain(host, within_s=10)
-    shutil.copytree(a_ctx.files_dir(host), b_ctx.files_dir(host))  # files restore is not built (L17)
-    remove_box_data(a_ctx)
+    files_before = tree_of(a_ctx.files_dir(host))
+    remove_box_data(a_ctx)  # the files come back from the first installation's files manifest (L17)
     await reassign(world.ledger, host, "ie-d")
     b_ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=INC))
     second = await b.wake(host)
@@ -196,6 +220,7 @@ async def test_unsynced_acknowledged_writes_are_declared_lost(world: World, uniq
     assert claim is not None and claim.holder is not None
     declared = claim.holder.admissions[-1].writes_lost
     assert declared is not None and declared.box == "ie-c" and declared.remote_max_txid == position
+    assert tree_of(b_ctx.files_dir(host)) == files_before
     seen = await asyncio.to_thread(rows, second.port)
     assert seen["max_seq"] >= max(synced), "every uploaded row is there"
     assert seen["max_seq"] < max(unsynced), "the unsynced tail is what the declaration covers"

@@ -42,14 +42,31 @@ import aiohttp
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from hostmove import rules
+from hostmove.fsutil import fsync_dir
 from hostmove.ports import Clock, Random
 from hostmove.probe_apps import free_port
 from services.box.admission import AdmitRequest, decide_admit_writer
+from services.box.archive import ArchiveError, UnsupportedEntry
+from services.box.filesmanifest import (
+    Binding,
+    FilesManifestError,
+    FilesManifestInvalid,
+    FilesRestoreRefused,
+    KeepFiles,
+    decide_files,
+    manifest_chain,
+    newest_manifest,
+    publish_manifest,
+    restore_files,
+)
 from services.box.guard import Guarded, host_guard
 from services.box.markers import (
+    FilesGen,
     GenerationMarker,
     Refused,
     RestoreCold,
+    cold_predecessor,
+    normalize,
     publish_generation_marker,
     read_files_gen,
     read_generation_marker,
@@ -66,7 +83,7 @@ from services.box.replica.replicator import Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.stamps import StampBook
 from services.ledger.ledger import Committed, Ledger, Refusal
-from services.objstore.port import Got, Lost, ObjectStore
+from services.objstore.port import Got, Lost, ObjectStore, StoreError
 
 log = logging.getLogger("hostmove.activator")
 
@@ -316,6 +333,7 @@ class Activator:
         host, ctx = claim.host, self.ctx
         db = ctx.db_path(host)
         ctx.data_dir.mkdir(parents=True, exist_ok=True)
+        await self._files_step(claim, baseline)
         purge_local_db(db)
         restored_txid = 0
         if baseline is not None:
@@ -344,6 +362,7 @@ class Activator:
                                                         current.etag)
             if isinstance(published, Lost):
                 raise StartError("generation.json changed under this start; the claim is re-read on the next wake")
+            await self._publish_files(claim)
         except BaseException:
             await replicator.close()
             raise
@@ -353,6 +372,67 @@ class Activator:
         writes_lost = bool(holder.admissions and holder.admissions[-1].writes_lost is not None)
         return Started(host, holder.session, holder.generation, baseline, restored_txid, port, spawned.pid,
                        writes_lost)
+
+    async def _files_step(self, claim: Claim, baseline: str | None) -> None:
+        """Before the app starts (L17, §7.6 "Files reachability"): a missing files directory, or a stale one of
+        this incarnation (parked, never deleted: §6.3, INV-8), comes back from the newest files manifest on the
+        admitted chain, tagged with the cold predecessor the start check accepts. Missing or malformed manifest
+        data is never an empty-files bootstrap: only a host that never replicated anything, or a box that kept its
+        local database (its disk was not lost) and has no files directory, starts without one."""
+        holder = claim.holder
+        assert holder is not None
+        host, ctx = claim.host, self.ctx
+        files_dir, env_file = ctx.files_dir(host), ctx.data_dir / f"{host}.env"
+        exists = os.path.lexists(files_dir)
+        decision = decide_files(claim, exists, read_files_gen(files_dir) if exists else None)
+        if isinstance(decision, KeepFiles):
+            return
+        try:
+            found = await newest_manifest(ctx.data_store, ctx.data_bucket, holder.location, manifest_chain(claim))
+        except FilesManifestInvalid as exc:
+            raise StartCheckRefused(f"{decision.reason}, and its files manifest cannot be used: {exc}") from None
+        if found is None:
+            if not exists and (baseline is None or ctx.db_path(host).exists()):
+                return  # a first installation, or a box that kept its disk and never had files: nothing was lost
+            raise StartCheckRefused(f"{decision.reason}, and no files manifest exists on the host's admitted "
+                                    "generations; its files are never started empty")
+        if decision.park:
+            parked = ctx.data_dir / ".parked" / f"superseded-{holder.generation}"
+            parked.mkdir(parents=True, exist_ok=True)
+            for path in (files_dir, env_file):
+                if os.path.lexists(path):
+                    os.rename(path, parked / path.name)
+            fsync_dir(ctx.data_dir)
+        predecessor = cold_predecessor(claim)
+        tag = FilesGen(op=normalize(holder.generation) if predecessor is None else predecessor,
+                       incarnation=holder.incarnation)
+        try:
+            restored = await restore_files(ctx.data_store, ctx.data_bucket, found.manifest, region=ctx.region,
+                                           files_dir=files_dir, env_file=env_file, tag=tag)
+        except FilesRestoreRefused as exc:
+            raise StartCheckRefused(f"{decision.reason}; its files could not be restored: {exc}") from None
+        log.info("restored the files of %s from the manifest of generation %s (%d files): %s", host,
+                 restored.generation, restored.files, decision.reason)
+
+    async def _publish_files(self, claim: Claim) -> None:
+        """L17 "every installation writes a files manifest in its new generation": publish the started
+        installation's files directory and ``.env`` as ``holder.generation``'s first manifest, before
+        ``.files-gen`` names it (§7.6, §8.3). A file the archive rules refuse (M-C14) does not stop a serving
+        wake: it is logged, and the newest earlier manifest stays the files' durable copy."""
+        holder = claim.holder
+        assert holder is not None
+        ctx = self.ctx
+        binding = Binding(host=claim.host, incarnation=holder.incarnation, location=holder.location,
+                          generation=holder.generation, op=f"session:{holder.session}", stamp=holder.stamp,
+                          region=ctx.region)
+        try:
+            await publish_manifest(ctx.data_store, ctx.data_bucket, binding, ctx.files_dir(claim.host),
+                                   ctx.data_dir / f"{claim.host}.env")
+        except UnsupportedEntry as exc:
+            log.error("the files of %s have no manifest in generation %s: %s", claim.host, holder.generation, exc)
+        except (FilesManifestError, ArchiveError, StoreError) as exc:
+            raise StartError(f"the files manifest of generation {holder.generation} could not be published: "
+                             f"{exc}") from None
 
     def installation_artifacts(self, host: str) -> dict[str, Path]:
         """The local artifacts of an installation (§6.1): the database, its WAL, SHM and ``.gen``, the files."""

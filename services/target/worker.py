@@ -42,6 +42,7 @@ from hostmove.ports import Clock, Random
 from services.box.activator import purge_local_db
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
+from services.box.filesmanifest import Binding, FilesManifestError, publish_manifest
 from services.box.guard import host_guard
 from services.box.markers import (
     GenerationMarker,
@@ -472,8 +473,9 @@ class LandingWorker:
             raise LandingFailure(f"the generation could not be built: {exc}") from None
 
     async def _local(self, host: str, claim: Claim, move: Move) -> None:
-        """Retire an earlier stay's artifacts, extract files and ``.env``, ``ReplaceTimers``, the carried
-        columns, fsync, then ``.files-gen`` last (§7.6 ``local``; each sub-step journaled, F12)."""
+        """Retire an earlier stay's artifacts, extract files and ``.env``, ``ReplaceTimers``, the prepared files
+        manifest of ``g-<move>`` (L17), the carried columns, fsync, then ``.files-gen`` last (§7.6 ``local``; each
+        sub-step journaled, F12)."""
         files_dir = self.box.files_dir(host)
         done = read_files_gen(files_dir) if files_dir.exists() else None
         if done is not None and (done.op, done.incarnation) == (move.id, move.incarnation):
@@ -529,6 +531,18 @@ class LandingWorker:
             except TimerError as exc:
                 raise LandingFailure(f"the timers snapshot cannot be installed: {exc}") from None
             journal.mark("timers")
+        if not journal.done("manifest"):  # L17: the prepared manifest of g-<move>, before .files-gen (§7.6, §8.3)
+            assert claim.holder is not None
+            binding = Binding(host=host, incarnation=move.incarnation, location=claim.holder.location,
+                              generation=move.id, op=move.id, stamp=claim.holder.stamp, region=self.box.region)
+            try:
+                await publish_manifest(self.box.data_store, self.box.data_bucket, binding, files_dir,
+                                       self.box.env_path(host))
+            except (FilesManifestError, ArchiveError, ValueError) as exc:
+                raise LandingFailure(f"the installed files could not be published as the files manifest of "
+                                     f"generation {move.id}: {exc}") from None
+            self._fault("local:manifest-published")
+            journal.mark("manifest")
         self.box.registry.set_carried(host, replication=move.source.replication, next_due=move.source.next_due)
         write_files_gen(files_dir, move.id, move.incarnation)
         fsync_dir(files_dir)
