@@ -1,7 +1,7 @@
 """``hostmove``: the operator's command line.
 
     hostmove stack up|down|status      the embedded stack (NATS JetStream + SeaweedFS) under .hostmove/
-    hostmove serve <service>           run a service (relay, projections)
+    hostmove serve <service>           run a service (relay, projections, door, recovery, box --label L)
     hostmove audit [--host H]          replay the ledger stream and check it against S3
     hostmove probe                     run the object-store conformance probe
     hostmove demo                      the main job on the embedded default
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runtime
 
-SERVICES = ("relay", "projections", "door", "recovery")
+SERVICES = ("relay", "projections", "door", "recovery", "box")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -134,7 +134,7 @@ async def _host(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from hostmove import serve
 
-    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port)
+    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port, label=args.label)
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run a service")
     sv.add_argument("service", choices=SERVICES)
     sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")
+    sv.add_argument("--label", default="", help="the box an agent acts for (serve box)")
     sub.add_parser("probe", help="run the object-store conformance probe")
     bx = sub.add_parser("box", help="set up a box")
     bx_sub = bx.add_subparsers(dest="box_action", required=True)

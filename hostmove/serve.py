@@ -7,6 +7,9 @@ Every service starts by running the object-store conformance probe (exit 3 on a 
 - ``projections``: the projector (snapshot and change feed in SQLite) and its HTTP read API.
 - ``recovery``: the console's recovery pass (claim halves the record decided, releases from
   ``last_move``, deadline alerts), on a timer.
+- ``box``: one box's agent (``--label L``): its instances and both sides of its moves, woken by ledger events
+  and a scan (:mod:`services.agent.service`). Refuses to run where it cannot spawn strictly (§5.3).
+  ``HOSTMOVE_PROFILE`` picks the timing profile (``fast`` for the embedded default, ``production``).
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 """
@@ -88,7 +91,55 @@ async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
         await runner.cleanup()
 
 
-async def run(service: str, settings: Settings, *, port: int = 0) -> int:
+async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
+    import os
+
+    from hostmove.failpoints import Failpoints
+    from hostmove.probe_apps import ProbeApps
+    from services.agent.config import BoxConfigError, load_box, moveprobe_spec
+    from services.agent.service import PROFILES, BoxAgent
+    from services.box.agentcg import box_session
+    from services.box.proctree import CgroupTree
+    from services.ledger.ledger import Ledger
+
+    try:
+        cfg = load_box(rt.settings.root, label)
+    except BoxConfigError as exc:
+        print(f"hostmove serve box: {exc}", flush=True)
+        return 2
+    profile = os.environ.get("HOSTMOVE_PROFILE", "fast" if rt.settings.local else "production")
+    if profile not in PROFILES:
+        print(f"hostmove serve box: HOSTMOVE_PROFILE must be one of {', '.join(PROFILES)}, not {profile!r}",
+              flush=True)
+        return 2
+    tree = CgroupTree.discover(label, clock=rt.clock, journal=cfg.box_dir / "spawns")
+    ok, why = tree.strict_available()
+    if not ok:
+        print(f"hostmove serve box: box {label} cannot spawn strictly ({why}); it refuses to take part in moves",
+              flush=True)
+        return 2
+    if rt.settings.local:
+        await rt.store.create_bucket(cfg.data_bucket, versioned=True)
+    faults = Failpoints.from_env()
+    ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults)
+    with box_session(tree) as home:
+        apps = ProbeApps(home, cfg.acks_dir, region=cfg.region, tree=tree)
+        agent = BoxAgent(cfg, store=rt.store, bucket=rt.settings.bucket, events=rt.events, ledger=ledger,
+                         clock=rt.clock, rng=rt.rng, tree=tree, probe_factory=apps.factory, timing=PROFILES[profile],
+                         faults=faults, app=moveprobe_spec(cfg.acks_dir, tunables=os.environ))
+        sub = await agent.wake_on(rt.events.nc)
+        print(f"box {label} ({cfg.region}): agent running, profile {profile}", flush=True)
+        try:
+            await agent.run(stop)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            await agent.close()
+            await apps.stop_all()
+    return 0
+
+
+async def run(service: str, settings: Settings, *, port: int = 0, label: str = "") -> int:
     if service == "door":
         from services.door.auth import TokenConfigError, load_tokens
 
@@ -97,9 +148,14 @@ async def run(service: str, settings: Settings, *, port: int = 0) -> int:
         except TokenConfigError as exc:
             print(f"hostmove serve door: {exc}", flush=True)
             return 2
-    rt = await open_runtime(settings, service)
+    if service == "box" and not label:
+        print("hostmove serve box: name the box with --label", flush=True)
+        return 2
+    rt = await open_runtime(settings, service, box=label)
     stop = _stop_event()
     try:
+        if service == "box":
+            return await _box_agent(rt, stop, label)
         if service == "relay":
             await _relay(rt, stop)
         elif service == "projections":

@@ -33,6 +33,7 @@ import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Final
+from urllib.parse import quote
 
 import aiohttp
 import msgspec
@@ -313,8 +314,10 @@ class TimerRunner:
     """Delivers due timers to their instances over HTTP (§9.4).
 
     ``instance_url(host)`` gives the instance's local base URL (or None when it has none); a timer
-    is POSTed to ``<base><path>`` as JSON ``{"host", "name", "payload", "due_at"}``. A 2xx answer is
-    a delivery; anything else, or no answer within ``timeout_s``, changes nothing and the timer
+    is POSTed to ``<base><path>`` (``{name}`` in ``path`` is the timer's name, URL-quoted) as JSON
+    ``{"host", "name", "payload", "due_at", "due_at_ms", "delivery"}``; ``delivery`` names this attempt
+    (``<registration>:<due_at>``), so an app can tell a repeated delivery of one due time from a new one.
+    A 2xx answer is a delivery; anything else, or no answer within ``timeout_s``, changes nothing and the timer
     stays due. Only rows whose route is open and ``ready`` are delivered.
     """
 
@@ -396,9 +399,11 @@ class TimerRunner:
         base = self.instance_url(host)
         if not base:
             return False
-        body = {"host": host, "name": row.name, "payload": row.payload, "due_at": row.next_at}
+        body = {"host": host, "name": row.name, "payload": row.payload, "due_at": row.next_at,
+                "due_at_ms": row.next_at, "delivery": f"{row.registration}:{row.next_at}"}
+        path = self.path.replace("{name}", quote(row.name, safe=""))
         try:
-            async with self.session.post(base.rstrip("/") + self.path, json=body, timeout=self.timeout) as resp:
+            async with self.session.post(base.rstrip("/") + path, json=body, timeout=self.timeout) as resp:
                 await resp.read()
                 ok = 200 <= resp.status < 300
                 if not ok:

@@ -254,6 +254,7 @@ class Ledger:
             decode(body, cls)  # what is written passes exactly the check it will meet on read
             meta = EventMeta(name=meta_name, actor=self.actor, at=self.clock.now_ms(), causation=causation)
             metadata = {META_EVENT: _b64(canonical(meta)), META_SHA: hashlib.sha256(body).hexdigest()}
+            self._fault(f"before_cas:{obj}:{meta_name}")
             put = await self.store.put(
                 self.bucket,
                 object_key(obj, host),
@@ -266,8 +267,10 @@ class Ledger:
                 lost = Conflict(put.current_etag)
                 continue
             self._fault("after_cas")
+            self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
             self._fault("after_publish")
+            self._fault(f"after_publish:{obj}:{meta_name}")
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
         return lost
 

@@ -53,6 +53,7 @@ from services.box.markers import (
     write_files_gen,
     write_local_gen,
 )
+from services.box.proctree import ProcessTree
 from services.box.registry import Registry
 from services.box.replica.install import InstallError, build_generation, read_install
 from services.box.replica.layout import FileRef, GenerationScope, list_generation, parse_ltx_name
@@ -196,6 +197,7 @@ class TargetBox:
     probe_timing: ProbeTiming = FAST
     configure: Configure | None = None
     sync_interval_s: float = 1.0
+    tree: ProcessTree | None = None  # the box's process tree: a restarted landing drains what a dead one left
 
     @property
     def data_dir(self) -> Path:
@@ -588,6 +590,10 @@ class LandingWorker:
         old = self.running.pop(host, None)
         if old is not None:
             await old.stop()
+        if self.box.tree is not None:  # a probe left running by a dead agent: kill and drain it first (§5.3)
+            drain = await self.box.tree.reopen_and_drain(host, within_s=10.0)
+            if not drain.drained:
+                raise LandingFailure(f"an earlier probe of {host} did not drain: {drain.error or drain.remaining}")
         admitted = await self._t11_attempts(host, move.id)
         db_path = self.box.db_path(host)
 

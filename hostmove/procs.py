@@ -1,0 +1,82 @@
+"""Services as OS processes (``hostmove serve <name>``), for the demo and the tests (ARCHITECTURE §2).
+
+Each service runs in its own process group with its output in a log file; ``stop`` sends SIGTERM and waits (the
+service stops what it runs and exits 0), a crash is a SIGKILL from outside or from a failpoint
+(:mod:`hostmove.failpoints`). The environment names the stack explicitly (``HOSTMOVE_NATS_URL`` and the S3
+settings), so a service never guesses where the authority is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hostmove.stackinfo import StackInfo
+
+
+def service_env(stack: StackInfo, *, root: Path, bucket: str, extra: Mapping[str, str] | None = None,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a service on ``stack``: this process's, without any other ``HOSTMOVE_*`` setting."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("HOSTMOVE_")}
+    env.update({
+        "HOSTMOVE_NATS_URL": stack.nats_url, "HOSTMOVE_S3_ENDPOINT": stack.s3_endpoint,
+        "HOSTMOVE_S3_ACCESS_KEY": stack.s3_access_key, "HOSTMOVE_S3_SECRET_KEY": stack.s3_secret_key,
+        "HOSTMOVE_S3_REGION": stack.s3_region, "HOSTMOVE_BUCKET": bucket, "HOSTMOVE_ROOT": str(root),
+    })
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServiceProc:
+    """One ``hostmove serve <argv>`` process; its output goes to ``log``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    history: list[int | None] = field(default_factory=list)
+
+    @classmethod
+    def serve(cls, service: str, env: dict[str, str], log: Path, *args: str) -> ServiceProc:
+        return cls(["-v", "serve", service, *args], env, log)
+
+    def start(self, extra: Mapping[str, str] | None = None) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.starts += 1
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            out.write(f"--- start {self.starts} {sorted((extra or {}).items())}\n".encode())
+            self.proc = subprocess.Popen([sys.executable, "-m", "hostmove.cli", *self.argv],
+                                         env={**self.env, **(extra or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM and wait: a graceful stop. A service that does not stop in time is killed."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        rc = self.proc.returncode
+        self.history.append(rc)
+        return rc
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+__all__ = ["ServiceProc", "service_env"]

@@ -1,0 +1,392 @@
+"""``hostmove serve box --label L``: one box's agent, driven by events and timers (ARCHITECTURE §2, §5).
+
+The agent is the box runtime (the activator that owns the box's instance processes) plus the box's move
+workers, both sides (:mod:`services.move.sides`): the source side for moves leaving this box, the target side for
+moves landing on it. It keeps nothing that matters in memory:
+
+- **Wake-ups.** Every ledger event (core NATS on ``hm.ledger.>``) marks its host dirty; a scan of the claims
+  every ``scan_s`` marks every host whose claim names this box (``op.exec`` or a participant), so a missed
+  event, a restart or a deadline is picked up without one. A step that must wait (a park's horizon, a
+  preparing round's pace) schedules its own wake.
+- **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
+  the workers re-read again before every write (K5) and every phase is journaled before its effects, so a
+  pass after a crash replays to the same outcome.
+- **The runtime.** A ``serving`` claim whose ``exec`` is this box and whose instance does not run here is
+  woken through the activator (a cold admission, §5.1 step 9); the route row is minted ``ready`` for it
+  (§5.2: reconcile mints ``ready`` only while the claim is serving). A new agent process is a new session: it
+  stops any app it finds running first (:meth:`Activator.adopt_running`).
+
+Passes run one host at a time: a long landing delays other hosts' passes on this box (stated limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import aiohttp
+
+from bus.log import EventLog
+from bus.subjects import LEDGER_PREFIX, SubjectError, parse_ledger_subject
+from events.claim import Claim
+from hostmove.fsutil import atomic_write
+from hostmove.ports import Clock, Random
+from services.agent.config import (
+    TIMER_PATH,
+    BoxConfig,
+    declared_timers,
+    embedded_facts,
+    moveprobe_spec,
+    region_bucket,
+    sample_launch,
+)
+from services.box.activator import Activator, AppSpec, BoxContext, Started
+from services.box.proctree import ProcessTree
+from services.box.registry import Registry, RouteRow
+from services.box.stamps import StampBook
+from services.box.timers import TimerError, TimerRunner, Timers
+from services.door.api import Door
+from services.ledger.ledger import Ledger
+from services.move import park as parking
+from services.move.sides import (
+    FAST,
+    Deployment,
+    SideStep,
+    SourceRunners,
+    SourceSide,
+    TargetRunners,
+    TargetSide,
+    Timings,
+    stage_of,
+)
+from services.objstore.port import ObjectStore
+from services.source import phases as source_phases
+from services.target.probe import FAST as PROBE_FAST
+from services.target.probe import PRODUCTION as PROBE_PRODUCTION
+from services.target.probe import ProbeTiming
+from services.target.worker import LandingWorker, ProbeFactory, TargetBox
+
+log = logging.getLogger("hostmove.agent")
+
+CLAIMS_PREFIX = "control/hosts/"
+
+
+@dataclass(frozen=True)
+class AgentTiming:
+    """How often the agent looks without being told (``scan_s``), how soon it retries a pass that raised
+    (``retry_s``), and the move's timings (the ``fast`` profile for tests and the demo, ARCHITECTURE §7)."""
+
+    scan_s: float = 1.0
+    retry_s: float = 1.0
+    move: Timings = FAST
+    probe: ProbeTiming = PROBE_FAST
+    sync_interval_s: float = 0.2
+    timer_tick_s: float = 0.1
+    max_steps: int = 40
+
+
+PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
+    source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
+    timer_tick_s=1.0)
+FAST_AGENT = AgentTiming()
+PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
+
+
+@dataclass
+class PassResult:
+    """One host's pass: what it did, and when it wants to be woken (seconds; None: on the next event)."""
+
+    host: str
+    did: list[str] = field(default_factory=list)
+    again_in_s: float | None = None
+
+
+class BoxAgent:
+    """One box's runtime and move workers (see the module doc)."""
+
+    def __init__(self, cfg: BoxConfig, *, store: ObjectStore, bucket: str, events: EventLog, ledger: Ledger,
+                 clock: Clock, rng: Random, tree: ProcessTree, probe_factory: ProbeFactory,
+                 timing: AgentTiming | None = None, faults: Callable[[str], None] | None = None,
+                 app: AppSpec | None = None) -> None:
+        self.cfg, self.events, self.ledger, self.clock = cfg, events, ledger, clock
+        self.store, self.bucket = store, bucket
+        self.timing = timing or AgentTiming()
+        self.registry = Registry.open(cfg.box_dir, clock)
+        self.stamps = StampBook.open(cfg.box_dir, clock)
+        self.timers = Timers.open(cfg.box_dir, clock)
+        key = cfg.secrets_key()
+        self.ctx = BoxContext(label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_bucket=cfg.data_bucket,
+                              data_store=store, ledger=ledger, tree=tree, registry=self.registry,
+                              stamps=self.stamps, clock=clock, rng=rng)
+        self.activator = Activator(self.ctx, app or moveprobe_spec(cfg.acks_dir))
+        self.landing = LandingWorker(TargetBox(
+            label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_store=store, data_bucket=cfg.data_bucket,
+            ledger=ledger, registry=self.registry, stamps=self.stamps, timers=self.timers, clock=clock, rng=rng,
+            private_key=key, probe_factory=probe_factory, probe_timing=self.timing.probe,
+            sync_interval_s=self.timing.sync_interval_s, tree=tree), faults=faults)
+        deployment = Deployment(door=Door(ledger, clock=clock, rng=rng),
+                                regions=lambda region: (store, region_bucket(region)),
+                                region_key=lambda region: key.public_key(), events=events)
+        self.source = SourceRunners(deployment, SourceSide(
+            ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key, launch=sample_launch,
+            ready_url=self._ready_url), self.timing.move, faults=faults)
+        self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
+                                    self.timing.move, faults=faults)
+        self._dirty: set[str] = set()
+        self._due: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._refused: dict[str, tuple[int, str]] = {}
+        self._timer_runner: TimerRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+    def _ready_url(self, host: str) -> str | None:
+        running = self.activator.running.get(host)
+        return f"http://127.0.0.1:{running.port}/ready" if running is not None else None
+
+    def running(self, host: str) -> bool:
+        return host in self.activator.running or host in self.landing.running
+
+    def _endpoint(self, host: str) -> tuple[int, int] | None:
+        """``(port, session)`` of the instance running here (the landing's probe session opened by the
+        commit's admission: the claim's session)."""
+        if host in self.activator.running:
+            running = self.activator.running[host]
+            return running.port, running.session
+        app = self.landing.running.get(host)
+        port = getattr(getattr(app, "app", None), "port", None)
+        return (port, -1) if isinstance(port, int) else None
+
+    def publish_endpoint(self, host: str) -> None:
+        """The box's edge table: ``endpoints/<host>.json`` names the local port of a running instance, and is
+        removed when it stops (what the box's router reads; the tests and the demo write through it)."""
+        path = endpoint_path(self.cfg.box_dir, host)
+        endpoint = self._endpoint(host)
+        if endpoint is None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+        body = json.dumps({"host": host, "port": endpoint[0], "session": endpoint[1]}).encode()
+        if not path.exists() or path.read_bytes() != body:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write(path, body, mode=0o600)
+
+    # -- one host ------------------------------------------------------------------------------------------
+
+    async def _serve(self, host: str, claim: Claim) -> str:
+        """The runtime's part: wake a serving host of this box that does not run here."""
+        if self.running(host) or claim.holder is None:
+            return ""
+        memo = self._refused.get(host)
+        if memo is not None and memo[0] == claim.gen:
+            return ""  # refused at this claim gen already; a change of the claim wakes it again
+        if self.registry.get(host) is None:
+            self.registry.insert(RouteRow(host=host, status="ready", incarnation=claim.holder.incarnation))
+        started = await self.activator.wake(host)
+        if isinstance(started, Started):
+            self._refused.pop(host, None)
+            self.converge_timers(host)
+            return f"woke {host} (session {started.session}, generation {started.generation})"
+        self._refused[host] = (claim.gen, started.reason)
+        log.warning("%s not started on %s: %s", host, self.label, started.reason)
+        return f"{host} not started: {started.reason}"
+
+    def converge_timers(self, host: str) -> bool:
+        """The converger (§9.4): the timers the running instance declares replace the host's rows
+        (``ReplaceTimers`` keeps the bookkeeping of an unchanged timer). Only for a serving host of this box:
+        the caller checks the claim; a held row is never converged (§9.4 "freezing")."""
+        row = self.registry.get(host)
+        if row is None or row.held:
+            return False
+        try:
+            specs = declared_timers(self.ctx.files_dir(host))
+        except TimerError as exc:
+            log.warning("timers of %s not converged: %s", host, exc)
+            return False
+        if specs is None or sorted(specs, key=lambda t: t.name) == [r.spec for r in self.timers.list(host)]:
+            return False
+        self.timers.replace_timers(host, specs)
+        return True
+
+    def _instance_url(self, host: str) -> str | None:
+        endpoint = self._endpoint(host)
+        return f"http://127.0.0.1:{endpoint[0]}" if endpoint is not None else None
+
+    async def run_timers(self) -> None:
+        """Deliver the due timers of the instances running here (held rows are skipped untouched, §9.4)."""
+        if self._timer_runner is None:
+            self._http = aiohttp.ClientSession()
+            self._timer_runner = TimerRunner(self.timers, self.clock, self._http, self._instance_url,
+                                             path=TIMER_PATH, timeout_s=5.0)
+        await self._timer_runner.run_due()
+
+    async def pass_host(self, host: str) -> PassResult:
+        """Read the claim and the record and do this box's next steps for ``host`` until none progresses."""
+        out = PassResult(host)
+        for _ in range(self.timing.max_steps):
+            claim = (await self.ledger.read_claim(host)).state
+            record = (await self.ledger.read_record(host)).state
+            if claim is None:
+                return out
+            if claim.op.kind == "serving":
+                if claim.op.exec == self.label:
+                    did = await self._serve(host, claim)
+                    if did:
+                        out.did.append(did)
+                    elif self.running(host) and self.converge_timers(host):
+                        out.did.append("timers converged")
+                return out
+            if record is None:
+                return out
+            move_id = record.move.id if record.move is not None else (
+                record.last_move.id if record.last_move is not None else "")
+            if not move_id or claim.op.id != move_id or len(claim.op.participants) != 2:
+                return out
+            stage, _why = stage_of(record, claim, move_id)
+            if stage in ("request", "done"):
+                return out
+            source, target = claim.op.participants
+            steps: list[SideStep] = []
+            if source == self.label:
+                steps.append(await self.source.step(host, stage, record, claim))
+            if target == self.label:
+                from_region = record.move.from_ if record.move is not None else ""
+                steps.append(await self.target.step(host, stage, record, claim, from_region or self.cfg.region))
+            for s in steps:
+                out.did.append(f"{stage}: " + (s.stop or s.wait or ("progressed" if s.progressed else "idle")))
+            if any(s.progressed for s in steps):
+                continue
+            wakes = [s.wake_at for s in steps if s.wake_at is not None]
+            if wakes:
+                out.again_in_s = max(0.0, (min(wakes) - self.clock.now_ms()) / 1000)
+            elif stage == "preparing" and not any(s.stop for s in steps):
+                out.again_in_s = self.timing.move.poll_s
+            return out
+        out.again_in_s = 0.0
+        return out
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    async def scan(self) -> set[str]:
+        """Every host whose claim names this box (exec or participant)."""
+        keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
+        hosts = set()
+        for key in keys:
+            if not key.endswith(".json"):
+                continue
+            host = unquote(key[len(CLAIMS_PREFIX):-5])
+            claim = (await self.ledger.read_claim(host)).state
+            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants):
+                hosts.add(host)
+        return hosts
+
+    def notify(self, host: str) -> None:
+        self._dirty.add(host)
+        self._wake.set()
+
+    async def wake_on(self, nc: Any) -> Any:
+        """Subscribe (core NATS) to the ledger's subjects: each event marks its host dirty."""
+
+        async def cb(msg: Any) -> None:
+            try:
+                _obj, host = parse_ledger_subject(msg.subject)
+            except SubjectError:
+                return
+            self.notify(host)
+
+        return await nc.subscribe(f"{LEDGER_PREFIX}.>", cb=cb)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: scan, pass the dirty and the due hosts, sleep until the next wake."""
+        adopted = await self.activator.adopt_running()
+        for host in adopted:
+            log.info("stopped %s found running: a new agent is a new session", host)
+        next_scan = next_timers = self.clock.monotonic()
+        while not stop.is_set():
+            now = self.clock.monotonic()
+            if now >= next_timers:
+                try:
+                    await self.run_timers()
+                except Exception as exc:  # noqa: BLE001 - a timer stays due; the next tick delivers it
+                    log.warning("timer run failed on %s: %s", self.label, type(exc).__name__)
+                next_timers = now + self.timing.timer_tick_s
+            if now >= next_scan:
+                try:
+                    self._dirty |= await self.scan()
+                except Exception as exc:  # noqa: BLE001 - a read error never acts; scan again later
+                    log.warning("scan failed on %s: %s", self.label, type(exc).__name__)
+                next_scan = now + self.timing.scan_s
+            due = {h for h, at in self._due.items() if at <= now}
+            for h in due:
+                del self._due[h]
+            work, self._dirty = self._dirty | due, set()
+            self._wake.clear()
+            for host in sorted(work):
+                if stop.is_set():
+                    break
+                try:
+                    result = await self.pass_host(host)
+                except Exception as exc:  # noqa: BLE001 - logged, retried: a pass is idempotent
+                    log.warning("pass of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
+                                str(exc).splitlines()[0][:200] if str(exc) else "")
+                    result = PassResult(host, again_in_s=self.timing.retry_s)
+                for line in result.did:
+                    log.info("%s %s", host, line)
+                self.publish_endpoint(host)
+                if result.again_in_s is not None:
+                    at = self.clock.monotonic() + result.again_in_s
+                    self._due[host] = min(self._due.get(host, at), at)
+            if self._dirty:
+                continue
+            until = min([next_scan, next_timers, *self._due.values()])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait(stop), max(0.0, until - self.clock.monotonic()))
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        stopper = asyncio.ensure_future(stop.wait())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({stopper, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            woken.cancel()
+
+    async def close(self) -> None:
+        """Stop what this agent runs (final syncs first) and close the box's stores."""
+        if self._http is not None:
+            await self._http.close()
+        await self.activator.close()
+        for app in list(self.landing.running.values()):
+            with contextlib.suppress(Exception):
+                await app.stop()
+        for closable in (self.registry, self.stamps, self.timers):
+            closable.close()
+
+
+def endpoint_path(box_dir: Path, host: str) -> Path:
+    return box_dir / "endpoints" / f"{quote(host, safe='')}.json"
+
+
+def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) -> int | None:
+    """The local port ``host`` is served on by the box at ``box_dir``, or None; with ``newer_than``, only an
+    instance of a later writer session than that."""
+    try:
+        body = json.loads(endpoint_path(box_dir, host).read_text())
+        port, session = int(body["port"]), int(body["session"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return port if newer_than is None or session > newer_than else None
+
+
+__all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
+           "read_endpoint"]

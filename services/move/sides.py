@@ -1,0 +1,271 @@
+"""A move's work split by box: what the source box does and what the target box does (spec §7.1-§7.9).
+
+A move has two acting boxes (``op.participants``, §7.1 L15). Each box runs only its own side, woken by events
+and timers (ARCHITECTURE §2, §5): :class:`SourceRunners` steps the preparing rounds (§7.3), the cut (§7.4) and the
+source's park (§7.9 step 3); :class:`TargetRunners` writes the readiness report (§7.3), lands, probes, commits and
+opens (§7.6-§7.9 steps 1-2) and parks the staging lane (§7.9 step 4). Either side's finalizer closes once both
+obligations are acknowledged (§7.9 step 5).
+
+Neither keeps state between steps: :func:`stage_of` reads where the move stands from the fresh record and claim,
+and every runner re-reads again before it writes. ``services/move/e2e.py`` composes the two sides in one loop (the
+tests and the demo); ``services/agent`` runs one side per box process, on events.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+
+from bus.log import EventLog
+from events.claim import Claim
+from events.record import Record
+from services.box.activator import Activator, BoxContext
+from services.box.evidence import LeaseObservation, lease_file_check
+from services.box.sealing import PrivateKey
+from services.box.timers import Timers
+from services.door.api import Door
+from services.move import park as parking
+from services.move.finalize import Finalizer, LocalRetirement
+from services.objstore.port import ObjectStore
+from services.source import phases as source_phases
+from services.source.phases import TimingProfile
+from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
+from services.source.worker import SourceBox, SourceWorker
+from services.target.readiness import BoxFacts, report_readiness
+from services.target.worker import LandingWorker
+
+log = logging.getLogger("hostmove.move.sides")
+
+Stage = Literal["request", "preparing", "cutting", "landing", "opening", "finalizing", "done"]
+STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "finalizing", "done")
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The timing profiles of one run (ARCHITECTURE §7): FAST for tests and the demo. ``source`` is the cut's
+    and the preparing rounds' profile; ``park`` sets the late-completion horizon the parks wait out before
+    acknowledging (§6.4); the probe's timing is the target box's own (``TargetBox.probe_timing``). ``within_s``
+    and ``max_passes`` bound one driven run; ``poll_s`` paces preparing passes that found the target not ready."""
+
+    source: TimingProfile = source_phases.FAST
+    park: parking.ParkTiming = parking.FAST
+    within_s: float = 120.0
+    poll_s: float = 0.2
+    max_passes: int = 60
+
+
+FAST = Timings()
+
+
+@dataclass(frozen=True)
+class SourceSide:
+    """The source box as its agent holds it: the activator's context (registry, tree, stores, clock), the
+    activator that runs the instance (its ``stop`` is the cut's stop and final sync), the box's timers, its
+    copy of the deployment's secrets key (launch-report MACs, §7.3) and what its next spawn would get."""
+
+    ctx: BoxContext
+    activator: Activator
+    timers: Timers
+    secrets_key: PrivateKey
+    launch: Callable[[str], Awaitable[LaunchInputs]]
+    ready_url: Callable[[str], str | None]
+    recovery_armed: Callable[[str], bool] = lambda host: True
+
+
+@dataclass(frozen=True)
+class TargetSide:
+    """The target box: its landing worker (the ``TargetBox`` inside holds the stores, registry, stamps, timers,
+    key and the probe factory) and what it knows of itself for the readiness report (T1-T3, T7, T8, T11, T13)."""
+
+    worker: LandingWorker
+    facts: BoxFacts
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What both sides share: the door, the ledger's stores, a region's data store and bucket, and each region's
+    public secrets key (the archive is sealed to the target's, §8)."""
+
+    door: Door
+    regions: Callable[[str], tuple[ObjectStore, str]]
+    region_key: Callable[[str], EllipticCurvePublicKey]
+    events: EventLog | None = None
+
+
+@dataclass(frozen=True)
+class SideStep:
+    """What one side's step did: ``progressed`` (step again now), ``stop`` (the move cannot go on from this
+    side without a change elsewhere: blocked, rolled back, waiting for the operator; plain words), ``wait``
+    (nothing to do until another event, or until ``wake_at`` in ms)."""
+
+    progressed: bool = False
+    stop: str = ""
+    wait: str = ""
+    wake_at: int | None = None
+    closed: bool = False
+
+
+def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[Stage, str]:
+    """Where the move stands, from the fresh record and claim alone. Pure."""
+    if record is None:
+        return "request", "the host has no record"
+    if record.move is None:
+        last = record.last_move
+        if last is not None and last.id == move_id:
+            if last.outcome != "done":
+                return "done", f"the move ended {last.outcome}, not done"
+            if claim is not None and claim.op.kind == "serving":
+                return "done", ""
+            return "finalizing", "the record is closed; the claim's release is next"
+        return "request", "the record holds no move"
+    move = record.move
+    if move.id != move_id:
+        return "request", f"the record holds another move {move.id}"
+    if move.state in ("preparing", "ready"):
+        return "preparing", ""
+    if move.state == "cutting":
+        return "cutting", ""
+    if move.state == "landing":
+        return "landing", ""
+    if move.state == "committed":
+        return ("finalizing", "") if move.opened_at is not None else ("opening", "")
+    return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
+
+
+def _closed(report_reason: str, done: bool) -> bool:
+    return done and report_reason.startswith("closed")
+
+
+class SourceRunners:
+    """The source box's side of its moves: preparing rounds, the cut and the claim's follow of the flip, and
+    the source's park."""
+
+    def __init__(self, deployment: Deployment, source: SourceSide, timings: Timings = FAST,
+                 faults: Callable[[str], None] | None = None) -> None:
+        self.d, self.side, self.t = deployment, source, timings
+        ctx = source.ctx
+        ledger = deployment.door.ledger
+        self.ledger = ledger
+        self.prep = PreparingRunner(PreparingBox(
+            label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
+            data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
+            secrets_key=source.secrets_key, tree=ctx.tree, clock=ctx.clock, files_dir=ctx.files_dir,
+            db_path=ctx.db_path, launch=source.launch, ready_url=source.ready_url,
+            recovery_armed=source.recovery_armed,
+        ), timings.source)
+        self.cut = SourceWorker(SourceBox(
+            label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
+            data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
+            target_key=deployment.region_key, registry=ctx.registry, timers=source.timers, tree=ctx.tree,
+            clock=ctx.clock, files_dir=ctx.files_dir, db_path=ctx.db_path, stop=source.activator.stop,
+            lease=self._lease,
+        ), timings.source, self.prep.readiness)
+        self.final = Finalizer(
+            ctx.label, ledger, parking.Parker(ctx.data_store, ctx.data_bucket, ctx.clock, timing=timings.park),
+            events=deployment.events, local_retire=self._local_retire, faults=faults)
+
+    @property
+    def label(self) -> str:
+        return self.side.ctx.label
+
+    async def _local_retire(self, host: str, move_id: str) -> object:
+        """The source's local park (§6.4 "Local retirement"), bound to the host's fresh claim read."""
+        ctx, ledger = self.side.ctx, self.ledger
+
+        async def read_claim() -> Claim | None:
+            return (await ledger.read_claim(host)).state
+
+        return await LocalRetirement(ctx.box_dir, ctx.stamps, ctx.registry, self.side.timers, read_claim,
+                                     ctx.clock)(host, move_id)
+
+    def _lease(self, host: str) -> Callable[[], LeaseObservation]:
+        """§5.3 step 4: the instance's lease file beside its files; the sample app holds none, so it reads as
+        released (absent), and a lease an app did leave is honoured."""
+        return lease_file_check(self.side.ctx.data_dir / f"{host}.lease.json", self.side.ctx.clock, 1_000)
+
+    async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None) -> SideStep:
+        move = record.move
+        if stage == "preparing" and move is not None:
+            result = await self.prep.run(host, move.id, move.incarnation)
+            if result.step.kind == "blocked":
+                return SideStep(stop=result.reason)
+            if result.state == "ready" and move.cut != "auto":
+                return SideStep(stop=result.reason or "the move is ready and waits for the operator's cut")
+            return SideStep(wait=result.reason or "the round is staged; waiting for readiness")
+        if stage == "cutting" and move is not None:
+            out = await self.cut.run(host, move.id, move.incarnation)
+            if out.step.kind in ("blocked", "deadline") or (out.step.kind == "idle" and out.reason):
+                fresh = (await self.ledger.read_record(host)).state
+                if fresh is None or fresh.move is None or fresh.move.state == "cutting":
+                    return SideStep(stop=out.reason)
+            return SideStep(progressed=True)
+        if stage in ("landing", "opening") and move is not None:
+            if claim is not None and claim.op.kind == "moving":  # the claim follows the flip (§7.5)
+                out = await self.cut.run(host, move.id, move.incarnation)
+                return SideStep(progressed=out.progressed, wait="the target lands")
+            return SideStep(wait="the target lands")
+        if stage == "finalizing":
+            move_id = move.id if move is not None else (record.last_move.id if record.last_move else "")
+            rep = await self.final.source_park(host, move_id)
+            return SideStep(closed=_closed(rep.reason, rep.done), wait="" if rep.done else rep.reason,
+                            wake_at=rep.wake_at)
+        return SideStep()
+
+
+class TargetRunners:
+    """The target box's side of the moves landing on it: the readiness report, the landing to the open, and
+    the staging lane's park."""
+
+    def __init__(self, deployment: Deployment, target: TargetSide, timings: Timings = FAST,
+                 faults: Callable[[str], None] | None = None) -> None:
+        self.d, self.side, self.t = deployment, target, timings
+        tbox = target.worker.box
+        self.final = Finalizer(
+            tbox.label, deployment.door.ledger,
+            parking.Parker(tbox.data_store, tbox.data_bucket, tbox.clock, timing=timings.park),
+            events=deployment.events, faults=faults)
+
+    @property
+    def label(self) -> str:
+        return self.side.worker.box.label
+
+    async def report(self, host: str, source_region: str) -> str:
+        """The target's readiness report for this move (§7.3), written to ``target.json``. Answers why the
+        target is not ready, or ``""``."""
+        tbox = self.side.worker.box
+        source_store, source_bucket = self.d.regions(source_region)
+        report = await report_readiness(
+            ledger=tbox.ledger, data_store=tbox.data_store, data_bucket=tbox.data_bucket, source_store=source_store,
+            source_bucket=source_bucket, box=tbox.label, region=tbox.region, box_dir=tbox.box_dir,
+            private_key=tbox.private_key, facts=self.side.facts, host=host, clock=tbox.clock)
+        if report is None:
+            return "the record carries no move to the target's region"
+        if not report.ready:
+            return "the target is not ready: " + "; ".join(f"{c.check} {c.detail}".strip() for c in report.failing())
+        return ""
+
+    async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None,
+                   source_region: str) -> SideStep:
+        move = record.move
+        if stage == "preparing":
+            why = await self.report(host, source_region)
+            return SideStep(wait=why or "reported ready")
+        if stage in ("landing", "opening"):
+            step = await self.side.worker.run(host)
+            if step.outcome in ("blocked", "rolled_back", "stopped"):
+                return SideStep(stop=step.detail)
+            return SideStep(progressed=True)
+        if stage == "finalizing":
+            move_id = move.id if move is not None else (record.last_move.id if record.last_move else "")
+            rep = await self.final.staging_park(host, move_id)
+            return SideStep(closed=_closed(rep.reason, rep.done), wait="" if rep.done else rep.reason,
+                            wake_at=rep.wake_at)
+        return SideStep()
+
+
+__all__ = ["FAST", "STAGES", "Deployment", "SideStep", "SourceRunners", "SourceSide", "Stage", "TargetRunners",
+           "TargetSide", "Timings", "stage_of"]

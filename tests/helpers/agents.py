@@ -1,0 +1,93 @@
+"""Box agents as real OS processes (``hostmove serve box --label L``) against the session's stack, for the
+service and crash-matrix tests: start, stop by SIGTERM, and watch a failpoint's SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from bus.nats_log import NatsEventLog
+from events import Actor
+from hostmove.ports import WallClock
+from hostmove.procs import ServiceProc, service_env
+from hostmove.stackinfo import StackInfo
+from services.box.roster import init_box
+from services.ledger import Ledger
+from services.objstore.s3 import S3Store
+
+T = TypeVar("T")
+
+
+async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 60.0,
+                     every_s: float = 0.1) -> T:
+    """Poll ``check`` until it answers something truthy, or fail after ``timeout_s`` with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        await asyncio.sleep(every_s)
+
+
+@dataclass
+class AgentWorld:
+    """A deployment of two boxes (``ie`` and ``uk``), each run by its own agent process, on the real stack.
+    ``deploy`` is this world's deployment bucket (its roster names exactly these two boxes); the data buckets
+    are ``<prefix>-ie`` and ``<prefix>-uk``."""
+
+    root: Path
+    deploy: str
+    prefix: str
+    labels: dict[str, str]
+    agents: dict[str, ServiceProc]
+    store: S3Store
+    events: NatsEventLog
+    ledger: Ledger
+
+    def box_dir(self, region: str) -> Path:
+        return self.root / "boxes" / self.labels[region]
+
+    def acks(self, host: str) -> Path:
+        return self.root / "acks" / f"{host}.jsonl"
+
+    def stop(self) -> dict[str, int | None]:
+        return {region: agent.stop() for region, agent in self.agents.items()}
+
+
+@asynccontextmanager
+async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path, prefix: str, *, store: S3Store,
+                      events: NatsEventLog, start: bool = True, extra: dict[str, dict[str, str]] | None = None,
+                      app_env: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:
+    """Two boxes under ``root`` registered in a fresh deployment bucket, their agents started (unless
+    ``start`` is False); on exit the agents are stopped by SIGTERM and the deployment bucket dropped. The data
+    buckets ``<prefix>-ie`` and ``<prefix>-uk`` belong to the caller (shared across worlds)."""
+    clock = WallClock()
+    deploy = unique("agt-deploy")
+    await store.create_bucket(deploy, versioned=True)
+    actor = Actor(service="test-agents", pid=os.getpid(), nonce="agents")
+    ledger = Ledger(store, events, clock, actor, deploy)
+    labels = {"ie": unique("ie"), "uk": unique("uk")}
+    for region, label in labels.items():
+        await init_box(root=root, label=label, region=region, store=store, bucket=deploy, events=events, clock=clock,
+                       actor=actor)
+    env = service_env(stack, root=root, bucket=deploy, extra={
+        "HOSTMOVE_DATA_BUCKET_PREFIX": prefix, "HOSTMOVE_PROFILE": "fast", **(app_env or {})})
+    agents = {r: ServiceProc.serve("box", env, root / f"agent-{label}.log", "--label", label)
+              for r, label in labels.items()}
+    world = AgentWorld(root, deploy, prefix, labels, agents, store, events, ledger)
+    try:
+        if start:
+            for region, agent in agents.items():
+                agent.start((extra or {}).get(region))
+        yield world
+    finally:
+        world.stop()
+        await store.delete_bucket(deploy)

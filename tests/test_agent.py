@@ -1,0 +1,169 @@
+"""Box agents as services (issue 4 "box services driven by NATS events"; ARCHITECTURE §2, §5): two
+``hostmove serve box`` processes, one per region, and nothing else acting. A host created on ``ie`` is woken by
+its agent; a move requested at the door is carried out by the two agents on ledger events alone (the source's
+rounds and cut, the target's report, landing, probe, commit and open, both parks, the close), and the instance
+serves on ``uk`` with every acknowledged write. A new agent process is a new session (§5.1 step 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from bus.nats_log import NatsEventLog
+from events.ids import new_incarnation
+from hostmove.ports import SystemRandom, WallClock
+from hostmove.probe_apps import post_write
+from hostmove.rehearsal import checks
+from hostmove.stackinfo import StackInfo
+from moveprobe.acks import RowAck, missing_from_db, read_acks
+from services.agent.service import read_endpoint
+from services.door.api import Door
+from services.door.auth import Identity
+from services.door.decide import MoveRequest
+from services.hosts.create import create_host
+from services.ledger import Committed
+from services.ledger.audit import run_audit
+from services.objstore.s3 import S3Store
+from tests.helpers.agents import AgentWorld, agent_world, eventually
+
+WRITES = 10
+ONCE_AFTER_MS = 4000
+APP = {"MOVEPROBE_INTERVAL_S": "0.2", "MOVEPROBE_SCHEDULE_EVERY_S": "0.4", "MOVEPROBE_ONCE_AFTER_S": "4"}
+"""The sample app writes continuously (a background row every 0.2 s), runs its schedule every 0.4 s and its
+once-timer 4 s after its first boot: around the cut (spec §14.4)."""
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    """The store, the event log and the two data buckets' prefix, for the whole module."""
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    prefix = unique("agt")
+    for region in ("ie", "uk"):
+        await store.create_bucket(f"{prefix}-{region}", versioned=True)
+    try:
+        yield store, events, prefix
+    finally:
+        for region in ("ie", "uk"):
+            await store.delete_bucket(f"{prefix}-{region}")
+        await events.close()
+        await store.close()
+
+
+async def serving_port(w: AgentWorld, region: str, host: str, timeout_s: float = 30.0,
+                       newer_than: int | None = None) -> int:
+    async def check() -> int | None:
+        return read_endpoint(w.box_dir(region), host, newer_than=newer_than)
+
+    return await eventually(check, f"{host} served on {w.labels[region]}", timeout_s)
+
+
+async def create_and_write(w: AgentWorld, host: str, writes: int = WRITES) -> list[int]:
+    created = await create_host(w.ledger, host, box=w.labels["ie"], region="ie",
+                                incarnation=new_incarnation(SystemRandom()))
+    assert isinstance(created, Committed), created
+    port = await serving_port(w, "ie", host)
+    return [await asyncio.to_thread(post_write, port, f"v{i}") for i in range(writes)]
+
+
+async def request_move(w: AgentWorld, host: str) -> str:
+    door = Door(w.ledger, clock=WallClock(), rng=SystemRandom())
+    answer = await door.request_move(host, MoveRequest("uk", "auto"), Identity("op", "operator"))
+    assert answer.status in (200, 201), answer.body
+    return str(answer.body["move"]["id"])
+
+
+async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 90.0) -> None:
+    """The move closed as done and the claim serves on the target (K8)."""
+
+    async def check() -> bool:
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        return (record is not None and record.move is None and record.last_move is not None
+                and record.last_move.id == move_id and record.last_move.outcome == "done"
+                and claim is not None and claim.op.kind == "serving" and claim.op.exec == w.labels["uk"])
+
+    try:
+        await eventually(check, f"the move {move_id} of {host} to close as done", timeout_s)
+    except AssertionError:
+        record = (await w.ledger.read_record(host)).state
+        logs = "\n".join(a.output()[-3000:] for a in w.agents.values())
+        raise AssertionError(f"not moved; record {record}\n{logs}") from None
+
+
+async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str) -> None:
+    """The checks of §14.4 after the move, on the real boxes: the key verifies, every timer ran exactly once
+    around the cut, every acknowledged write and background row (either box's) is in uk's database, and nothing
+    of the host is left live in ie; uk takes writes; the audit of the host's history is clean."""
+    port = await serving_port(w, "uk", host)
+    assert await asyncio.to_thread(post_write, port, "after the move") > 0
+    shown = await checks(
+        events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir("uk") / "data" / f"{host}.db",
+        ack_logs=sorted((w.root / "acks").glob(f"{host}*.jsonl")), left_bucket=f"{w.prefix}-ie",
+        left_local=[w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host],
+        once_after_ms=ONCE_AFTER_MS)
+    assert all(c.ok for c in shown), [c.line() for c in shown]
+    assert read_endpoint(w.box_dir("ie"), host) is None
+    audit = await run_audit(w.events, w.ledger, host=host)
+    assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_agents_carry_out_a_move_on_events(stack: StackInfo, unique: Callable[[str], str],
+                                                 shared: tuple[S3Store, NatsEventLog, str], tmp_path: Path) -> None:
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP) as w:
+        host = f"{unique('svc')}.example.com"
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        await moved(w, host, move_id)
+        await assert_served_on_uk(w, host, move_id)
+        rcs = w.stop()
+    assert rcs == {"ie": 0, "uk": 0}, (rcs, w.agents["uk"].output()[-2000:])
+    for label in w.labels.values():  # nothing left running: every leaf of the box is gone
+        assert not Path(f"/sys/fs/cgroup/unified/hostmove/{label}").exists() or not any(
+            p.is_dir() for p in Path(f"/sys/fs/cgroup/unified/hostmove/{label}").iterdir())
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_new_agent_process_is_a_new_session(stack: StackInfo, unique: Callable[[str], str],
+                                                    shared: tuple[S3Store, NatsEventLog, str],
+                                                    tmp_path: Path) -> None:
+    """SIGKILL the agent under a running app: the restarted agent stops the app it finds and re-admits it
+    (a new session, a new generation); every write acknowledged before is served after."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events) as w:
+        host = f"{unique('sess')}.example.com"
+        await create_and_write(w, host)
+        before = (await w.ledger.read_claim(host)).state
+        assert before is not None and before.holder is not None
+        agent = w.agents["ie"]
+        assert agent.proc is not None
+        os.kill(agent.proc.pid, 9)
+        agent.proc.wait()
+        agent.start()
+        old_session = before.holder.session
+
+        async def readmitted() -> bool:
+            claim = (await w.ledger.read_claim(host)).state
+            return claim is not None and claim.holder is not None and claim.holder.session > old_session
+
+        await eventually(readmitted, "a new admission after the agent's restart")
+        after = (await w.ledger.read_claim(host)).state
+        assert after is not None and after.holder is not None
+        assert after.holder.generation != before.holder.generation, "a cold admission opens a new generation"
+        port = await serving_port(w, "ie", host, newer_than=before.holder.session)
+        seq = await asyncio.to_thread(post_write, port, "after restart")
+        acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
+        missing = missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks))
+        assert acks[-1].seq == seq and acks[-1] not in missing, "the write after the restart is served"
+        # The SIGKILL left no clean-close certificate, so the admission declares the predecessor session's
+        # writes lost (§5.1 step 9, D§6): any acknowledged write not uploaded before the kill is covered by it.
+        admission = after.holder.admissions[-1]
+        assert admission.writes_lost is not None and admission.writes_lost.session == before.holder.session
+        assert all(a.session == acks[0].session for a in missing), "only the killed session's writes are lost"
