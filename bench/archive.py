@@ -7,6 +7,18 @@ and plaintext sha256, zstd, 1 MiB AES-256-GCM chunks, sealed sha256) into a sink
 bytes. The raw side encrypts the same file contents, already in memory, with AES-256-GCM in 1 MiB
 chunks and nothing else. Both rates are file bytes per second, best of several interleaved rounds.
 The last line is ``RESULT archive ratio=<archive/raw> target=0.25``; below the target it exits 1.
+
+Context lines give the ceilings measured in the same run, as ratios to raw AES: one SHA-256 pass,
+zstd at the archive's level, and the work §8 requires (two SHA-256 passes over the plaintext, the
+per-file and ``plain`` digests; zstd; AES-GCM and a SHA-256 pass over the sealed bytes) spread
+perfectly over every core this process may use, with no reading and no tar at all.
+
+**The target is out of reach, and the bench says so by failing.** On the 2-core AMD EPYC this was
+measured on (2026-11-30; SHA-NI, AES-NI), raw AES-GCM runs at ~9.7 GiB/s, one SHA-256 pass at ~0.20 of
+it and zstd level 1 at ~0.075 of it per core, so the work §8 requires caps the ratio at ~0.075 on 2
+cores before a byte is read. The archive measures 0.049 to 0.055 (0.048 before its three-stage pipeline
+and direct tar headers; 12% less wall time per build, 5% less CPU). Reaching 0.25 would take dropping
+a digest or the compression §8 requires, or more than three times the cores.
 """
 
 from __future__ import annotations
@@ -19,10 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from bench.common import result
-from services.box.archive import build_archive
+from services.box.archive import DEFAULT_LEVEL, build_archive
 from services.box.sealing import chunk_aad, chunk_nonce, generate_private_key
 
 TARGET = 0.25
@@ -105,11 +118,32 @@ def sha256_rate(contents: list[bytes]) -> float:
     return len(blob) / (time.perf_counter() - t0)
 
 
+def zstd_rate(contents: list[bytes]) -> tuple[float, int]:
+    """zstd over the same bytes, as the archive runs it (its level, checksum, 1 MiB blocks); one core."""
+    blob = b"".join(contents)
+    view = memoryview(blob)
+    z = zstandard.ZstdCompressor(level=DEFAULT_LEVEL, write_checksum=True).compressobj()
+    packed = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(blob), MIB):
+        packed += len(z.compress(view[start : start + MIB]))
+    packed += len(z.flush())
+    return len(blob) / (time.perf_counter() - t0), packed
+
+
 def archive_rate(files: Path, env: Path, total: int) -> tuple[float, int, int]:
     key = generate_private_key().public_key()
     t0 = time.perf_counter()
     m = build_archive(files, env, _Null(), key, host="bench.example.com", op_id="mv_" + "a" * 26, incarnation="ab" * 32)
     return total / (time.perf_counter() - t0), m.bytes, m.sealed_bytes
+
+
+def required_work_ceiling(raw: float, sha: float, zstd: float, sealed_share: float, cores: int) -> float:
+    """The ratio the work §8 requires allows: per file byte, two SHA-256 passes (per-file and ``plain``),
+    zstd, and AES-GCM and SHA-256 over ``sealed_share`` sealed bytes, on ``cores`` cores with perfect
+    parallelism and nothing else (no reading, no tar, no handoffs)."""
+    seconds_per_byte = 2 / sha + 1 / zstd + sealed_share / sha + sealed_share / raw
+    return cores / seconds_per_byte / raw
 
 
 def main() -> int:
@@ -122,13 +156,14 @@ def main() -> int:
         total = sum(map(len, contents))
         archive_rate(files, env, total)  # warm the page cache and the code paths
         raw_rate(contents)
-        raw_rates, archive_rates, sha_rates = [], [], []
+        raw_rates, archive_rates, sha_rates, zstd_rates = [], [], [], []
         plain_bytes = sealed_bytes = 0
         for _ in range(ROUNDS):  # interleaved, so drift in machine load hits both
             raw_rates.append(raw_rate(contents))
             rate, plain_bytes, sealed_bytes = archive_rate(files, env, total)
             archive_rates.append(rate)
             sha_rates.append(sha256_rate(contents))
+            zstd_rates.append(zstd_rate(contents)[0])
     raw, arch = max(raw_rates), max(archive_rates)
     print(
         f"data: {total / MIB:.1f} MiB in {len(contents)} files; tar {plain_bytes / MIB:.1f} MiB, "
@@ -138,10 +173,16 @@ def main() -> int:
         f"archive (tar + zstd + seal): {arch / MIB:.0f} MiB/s  raw AES-256-GCM: {raw / MIB:.0f} MiB/s  "
         f"(best of {ROUNDS})"
     )
-    sha = max(sha_rates)
+    sha, zstd = max(sha_rates), max(zstd_rates)
+    cores = len(os.sched_getaffinity(0))
+    ceiling = required_work_ceiling(raw, sha, zstd, sealed_bytes / total, cores)
     print(
-        f"for scale: one SHA-256 pass over the same bytes runs at {sha / MIB:.0f} MiB/s, "
-        f"{sha / raw:.3f} of raw AES-256-GCM; the archive needs a per-file, a plaintext and a sealed digest"
+        f"ceilings (same run, ratio to raw AES-256-GCM): one SHA-256 pass {sha / MIB:.0f} MiB/s = {sha / raw:.3f}; "
+        f"zstd level {DEFAULT_LEVEL} {zstd / MIB:.0f} MiB/s = {zstd / raw:.3f} per core"
+    )
+    print(
+        f"ceiling of the work §8 requires (per-file, plain and sealed SHA-256, zstd, AES-GCM) on {cores} cores, "
+        f"perfectly parallel, no reading and no tar: {ceiling:.3f}"
     )
     ratio = arch / raw
     print(result("archive", ratio, TARGET))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zstandard
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
@@ -302,13 +303,15 @@ def test_a_name_that_is_not_utf8_refuses(tmp_path: Path) -> None:
     assert caught.value.path == "bad-\\xff.txt"
 
 
-def test_the_cap_refuses_while_streaming(tmp_path: Path, key: S.PrivateKey) -> None:
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_cap_refuses_while_streaming(tmp_path: Path, key: S.PrivateKey, pipelined: bool) -> None:
     files = tmp_path / "files"
     rng = SeededRandom(3)
     for i in range(10):
         write(files / f"part-{i}.bin", rng.token_bytes(64 * 1024))
     total = 10 * 64 * 1024
     cap = 200 * 1024
+    before = threading.active_count()
 
     class Counting:
         def __init__(self) -> None:
@@ -320,7 +323,10 @@ def test_the_cap_refuses_while_streaming(tmp_path: Path, key: S.PrivateKey) -> N
 
     out = Counting()
     with pytest.raises(A.ArchiveTooLarge) as caught:
-        A.build_archive(files, None, out, key.public_key(), host=HOST, op_id=OP, incarnation=INC, cap=cap)
+        A.build_archive(
+            files, None, out, key.public_key(), host=HOST, op_id=OP, incarnation=INC, cap=cap, pipelined=pipelined
+        )
+    assert threading.active_count() == before  # the pipeline's workers stopped with the refusal
     err = caught.value
     assert (
         str(err) == f"{HOST} keeps more than 200 KiB of files beside its database. Keep large files in object storage."
@@ -333,6 +339,25 @@ def test_the_cap_refuses_while_streaming(tmp_path: Path, key: S.PrivateKey) -> N
     # The default is 256 MiB, in the copy as the spec words it.
     assert A.DEFAULT_CAP == 256 << 20
     assert "256 MiB" in str(A.ArchiveTooLarge(HOST, A.DEFAULT_CAP, 0, 0, "x"))
+
+
+def test_the_cap_refuses_mid_stream_with_blocks_in_flight(tmp_path: Path, key: S.PrivateKey) -> None:
+    """Whole 1 MiB reads are in the compress and seal stages when the refusal comes: it still stops
+    before the entry past the cap is read, and no worker outlives it (M5, M-C15)."""
+    files = tmp_path / "files"
+    rng = SeededRandom(8)
+    for i in range(6):
+        write(files / f"clip-{i}.bin", rng.token_bytes(3 << 20))
+    cap = 10 << 20
+    before = threading.active_count()
+    out = io.BytesIO()
+    with pytest.raises(A.ArchiveTooLarge) as caught:
+        A.build_archive(files, None, out, key.public_key(), host=HOST, op_id=OP, incarnation=INC, cap=cap)
+    assert caught.value.read_bytes == 3 * (3 << 20) and caught.value.path == "clip-3.bin"
+    assert len(out.getvalue()) < caught.value.read_bytes + (64 << 10)  # nothing past what was read got out
+    with pytest.raises(A.ArchiveTooLarge):
+        A.plain_digest(files, None, host=HOST, cap=cap)
+    assert threading.active_count() == before
 
 
 def test_the_cap_is_exact_on_the_tar_plaintext(tmp_path: Path, key: S.PrivateKey) -> None:
@@ -390,6 +415,75 @@ def test_a_failing_sink_stops_the_build_without_leaking_its_worker(tmp_path: Pat
     with pytest.raises(OSError, match="No space left"):
         A.build_archive(files, None, Full(), key.public_key(), host=HOST, op_id=OP, incarnation=INC)
     assert threading.active_count() == before
+
+
+def open_plaintext(sealed: bytes, m: A.ArchiveManifest, key: S.PrivateKey) -> bytes:
+    """The tar plaintext inside a sealed archive, opened by hand (key, chunks, zstd)."""
+    data_key = S.open_key(m.key, key, aad=A.key_binding(m.op, m.incarnation))
+    opener = S.ChunkOpener(data_key, m.chunk_size)
+    packed = b"".join(opener.feed(sealed)) + opener.finish()
+    return zstandard.ZstdDecompressor().decompressobj().decompress(packed)
+
+
+def the_tar(files: Path, env: Path | None) -> bytes:
+    sink = _Capture()
+    A._stream_tar(A._scan(files, env, HOST), sink, HOST, A.DEFAULT_CAP, None)
+    return bytes(sink.data)
+
+
+@pytest.mark.parametrize("chunk_size", [SMALL_CHUNK, S.DEFAULT_CHUNK_SIZE])
+def test_the_pipeline_gives_the_serial_path_s_bytes(tmp_path: Path, key: S.PrivateKey, chunk_size: int) -> None:
+    files, env = host_tree(tmp_path / "h")
+    rng = SeededRandom(11)
+    write(files / "media" / "clip.bin", rng.token_bytes((5 << 20) + 3))  # whole reads, passed on uncopied
+    write(files / "media" / "notes.txt", b"the same words again\n" * 150_000)  # compresses: zstd holds bytes back
+    for i in range(300):
+        write(files / "uploads" / f"{i:03d}.dat", rng.token_bytes(i * 37))  # gathered into blocks
+    m, sealed = build(files, env, key, chunk_size=chunk_size, rng=SeededRandom(5), pipelined=True)
+    serial_m, serial_sealed = build(files, env, key, chunk_size=chunk_size, rng=SeededRandom(5), pipelined=False)
+    # Same seed, same key and nonces: the pipeline and the serial path give the very same object.
+    assert sealed == serial_sealed and m == serial_m
+    tar = the_tar(files, env)
+    assert open_plaintext(sealed, m, key) == tar
+    assert m.plain == hashlib.sha256(tar).hexdigest() and m.bytes == len(tar)
+    assert m.sealed == hashlib.sha256(sealed).hexdigest() and m.sealed_bytes == len(sealed)
+    assert A.plain_digest(files, env, host=HOST) == A.PlainDigest(m.plain, m.bytes, m.entries, m.files)
+    A.extract(sealed, m, key, tmp_path / "out")
+    clip = Path("files") / "media" / "clip.bin"
+    assert (tmp_path / "out" / clip).read_bytes() == (files.parent / clip).read_bytes()
+
+
+def _tarfile_header(name: str, is_dir: bool, mode: int, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+    info.mode, info.size, info.mtime, info.uid, info.gid, info.uname, info.gname = mode, size, 0, 0, 0, "", ""
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.one_of(
+        st.text(st.characters(codec="ascii", exclude_characters="\0/"), min_size=1, max_size=100),
+        st.text(st.characters(codec="utf-8", exclude_characters="\0/"), min_size=1, max_size=120),
+    ),
+    is_dir=st.booleans(),
+    mode=st.integers(min_value=0, max_value=0o7777),
+    size=st.one_of(st.integers(min_value=0, max_value=1 << 30), st.sampled_from([8**11 - 1, 8**11, 1 << 40])),
+)
+def test_the_tar_header_is_byte_for_byte_tarfile_s(name: str, is_dir: bool, mode: int, size: int) -> None:
+    """§8.1's plaintext must not change with how its headers are made: the direct encoding of short ASCII
+    names equals ``tarfile``'s PAX_FORMAT header (every other name goes through ``tarfile`` itself)."""
+    path = f"files/{name}"
+    assert A._header(path, is_dir, stat.S_IFDIR | mode if is_dir else stat.S_IFREG | mode, size) == (
+        _tarfile_header(path, is_dir, mode, 0 if is_dir else size)
+    )
+
+
+@pytest.mark.parametrize("length", [98, 99, 100, 101])
+def test_the_tar_header_at_the_name_field_s_edge(length: int) -> None:
+    name = "files/" + "n" * (length - len("files/"))
+    for is_dir in (False, True):
+        assert A._header(name, is_dir, 0o755, 7) == _tarfile_header(name, is_dir, 0o755, 0 if is_dir else 7)
 
 
 # -- verification at extraction -------------------------------------------------------------------
@@ -676,6 +770,22 @@ def test_chunk_stream_round_trips_at_every_boundary(data: bytes, chunk_size: int
         plain += b"".join(opener.feed(sealed[lo : lo + 37]))
     plain += opener.finish()
     assert plain == data
+
+
+def test_the_chunk_sealer_takes_views_and_keeps_no_reference_to_its_input() -> None:
+    data_key = bytes(range(32))
+    data = SeededRandom(6).token_bytes(10_000)
+    expected = b"".join(S.ChunkSealer(data_key, 1000).feed(data))
+    sealer = S.ChunkSealer(data_key, 1000)
+    fed = bytearray(data[:2500])
+    sealed = b"".join(sealer.feed(fed))
+    fed[:] = b"x" * len(fed)  # the caller reuses its buffer: what the sealer kept is its own copy
+    sealed += b"".join(sealer.feed(memoryview(data)[2500:7000]))
+    sealed += b"".join(sealer.feed(bytearray(data[7000:])))
+    assert sealed == expected
+    last = sealer.finish()
+    opener = S.ChunkOpener(data_key, 1000)
+    assert b"".join(opener.feed(memoryview(sealed + last))) + opener.finish() == data
 
 
 def test_chunk_nonce_and_aad_encode_index_and_final_flag() -> None:

@@ -55,6 +55,8 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_CHUNK_SIZE = (1 << 32) - 1
 CHUNK_AAD_PREFIX = b"hostmove-archive-v1"
 
+Buffer = bytes | bytearray | memoryview
+
 
 class SealError(Exception):
     """A key that does not open, a key file that cannot be used, or a sealed stream that fails to verify."""
@@ -249,21 +251,28 @@ def chunk_aad(chunk_size: int, index: int, final: bool) -> bytes:
 
 
 def _whole_pieces(
-    buf: bytearray, data: bytes | bytearray | memoryview, size: int, process: Callable[[memoryview], bytes]
+    buf: bytearray, data: Buffer, size: int, process: Callable[[Buffer], bytes]
 ) -> tuple[list[bytes], bytearray]:
     """Cut ``buf + data`` into ``size``-byte pieces, processing every piece that is known not to be the last
     (more bytes follow it); answers the processed pieces and the bytes kept for later. Shared by the sealer
-    (plaintext chunks) and the opener (ciphertext chunks), so both frame the stream the same way."""
-    pending = bytes(data) if not buf else bytes(buf + data)
-    view = memoryview(pending)
+    (plaintext chunks) and the opener (ciphertext chunks), so both frame the stream the same way.
+
+    Copies only what must wait: ``buf`` is topped up to one piece, whole pieces of ``data`` are processed
+    in place (views), and the tail is kept. ``process`` must not keep the view it is given.
+    """
+    view = memoryview(data).cast("B")
     out: list[bytes] = []
-    start = 0
-    while len(view) - start > size:
-        out.append(process(view[start : start + size]))
-        start += size
-    rest = bytearray(view[start:])
-    view.release()
-    return out, rest
+    if buf:
+        take = min(size - len(buf), len(view))
+        buf += view[:take]
+        view = view[take:]
+        if not view:  # nothing follows yet, so even a full buffer may be the last piece
+            return out, buf
+        out.append(process(buf))
+    while len(view) > size:
+        out.append(process(view[:size]))
+        view = view[size:]
+    return out, bytearray(view)
 
 
 class ChunkSealer:
@@ -284,7 +293,7 @@ class ChunkSealer:
         self._done = False
 
     def _seal(self, data: bytes | bytearray | memoryview, final: bool) -> bytes:
-        out = self._aead.encrypt(chunk_nonce(self._index), bytes(data), chunk_aad(self.chunk_size, self._index, final))
+        out = self._aead.encrypt(chunk_nonce(self._index), data, chunk_aad(self.chunk_size, self._index, final))
         self._index += 1
         return out
 
@@ -327,9 +336,7 @@ class ChunkOpener:
 
     def _open(self, data: bytes | bytearray | memoryview, final: bool) -> bytes:
         try:
-            out = self._aead.decrypt(
-                chunk_nonce(self._index), bytes(data), chunk_aad(self.chunk_size, self._index, final)
-            )
+            out = self._aead.decrypt(chunk_nonce(self._index), data, chunk_aad(self.chunk_size, self._index, final))
         except InvalidTag:
             where = "the last chunk" if final else f"chunk {self._index}"
             raise SealError(
