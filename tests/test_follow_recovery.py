@@ -65,6 +65,28 @@ def test_commit_adds_the_parks_and_keeps_the_generation() -> None:
     assert kinds == [("park-staging", "uk-1", "uk"), ("park-superseded", "ie-1", "ie")]
 
 
+def test_the_staging_park_is_scoped_to_the_lane_from_the_seal_bound() -> None:
+    """§6.4: a staging lane's scope is ``moves/<host>/<op>`` (no trailing ``/``, the grammar INV-23 checks) and its
+    ``evidence_at`` is the lane's own seal bound, seal time + staging lease TTL, persisted in the seal; not the
+    commit time."""
+    sealed = moving_claim(journal={"seal": {"n": 3, "staging_bound": 5_000}})
+    landing = claim_half(sealed, record(**FLIPPED))
+    assert isinstance(landing, Claim)
+    committed = claim_half(landing, record(**{**FLIPPED, "state": "committed", "committed_at": 99}))
+    assert isinstance(committed, Claim)
+    (staging,) = [o for o in committed.obligations if o.kind == "park-staging"]
+    assert staging.scope is not None
+    assert (staging.scope.location, staging.scope.evidence_at, staging.scope.incarnation) == (
+        f"moves/h.example.com/{MV}", 5_000, INC)
+    odd = claim_half(moving_claim("a/b", journal={"seal": {"n": 3, "staging_bound": 5_000}}),
+                     record("a/b", **FLIPPED))
+    assert isinstance(odd, Claim)
+    odd_committed = claim_half(odd, record("a/b", **{**FLIPPED, "state": "committed", "committed_at": 99}))
+    assert isinstance(odd_committed, Claim)
+    assert [o.scope.location for o in odd_committed.obligations if o.kind == "park-staging" and o.scope] == [
+        f"moves/a%2Fb/{MV}"], "the host is one percent-encoded segment, as the lane's keys are"
+
+
 def test_rollback_decision_makes_the_claim_restoring_with_exec_unchanged() -> None:
     landing = claim_half(moving_claim(), record(**FLIPPED))
     assert isinstance(landing, Claim)

@@ -28,7 +28,7 @@ from hostmove.stackinfo import StackInfo
 from moveprobe.config import probe_env
 from services.box.activator import Activator, AppSpec, BoxContext, Certificate, Started, certificate_key
 from services.box.evidence import LeaseObservation, StopEvidence, lease_file_check
-from services.box.proctree import CgroupTree
+from services.box.proctree import CgroupTree, SpawnJournal
 from services.box.registry import Registry, RouteRow
 from services.box.replica.layout import GenerationScope
 from services.box.replica.replicator import Replicator
@@ -39,20 +39,23 @@ from services.box.timers import Timers, TimerSpec
 from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
-from services.objstore.port import Got, StoreUnavailable
+from services.objstore.port import Got, ObjectStore, StoreUnavailable
 from services.objstore.s3 import S3Store
 from services.source import phases
+from services.source.lease import StagingWork, lease_timing
 from services.source.phases import FAST, PRODUCTION, Readiness, cut_deadline
 from services.source.staging import (
     MoveMarker,
+    StagedSet,
+    Stager,
     StagingConflict,
+    journal_key,
     lane,
-    mirror_round,
     snapshot_prefix,
-    write_move_marker,
 )
 from services.source.worker import SourceBox, SourceWorker, StepResult
 from tests.helpers.cgtest import as_agent, box_tree
+from tests.helpers.pushonly import PushOnly
 from tests.helpers.stores import Regions, regions
 
 RNG = SeededRandom(7)
@@ -261,6 +264,7 @@ class World:
     stops: int = 0
     final_sync: bool = True
     stop_fails: int = 0
+    push: PushOnly | None = None
 
     @property
     def db(self) -> Path:
@@ -298,7 +302,9 @@ class World:
     def worker(self, faults: Callable[[str], None] | None = None, profile: phases.TimingProfile = FAST,
                staging: Any = None) -> SourceWorker:
         b = self.b
-        stores = {"uk": (staging or b.store, b.uk), "ie": (b.store, b.ie)}
+        if self.push is None or staging is not None or self.push.store is not b.store:
+            self.push = PushOnly(staging or b.store, b.uk)  # M17: the source never reads the target's bucket
+        stores: dict[str, tuple[ObjectStore, str]] = {"uk": (self.push, b.uk), "ie": (b.store, b.ie)}
         box = SourceBox(
             label=SRC, region="ie", ledger=self.ledger(faults), deploy_store=b.store, deploy_bucket=b.deploy,
             data_store=b.store, data_bucket=b.ie, staging=stores.__getitem__,
@@ -336,6 +342,7 @@ async def world(buckets: Buckets, unique: Callable[[str], str], tmp_path: Path) 
     move_id = new_op_id("mv", SystemRandom())
     box = unique("box.src")
     with box_tree(box) as (tree, home), as_agent(tree, home):
+        tree.journal = SpawnJournal(tmp_path / "spawns")  # no spawn in this boot: an absent group is evidence
         data = tmp_path / "data"
         (data / host / "static").mkdir(parents=True)
         (data / host / "static" / "index.html").write_text("<h1>hello</h1>")
@@ -422,6 +429,9 @@ async def assert_flipped_and_staged(w: World, tmp: Path) -> None:
     assert isinstance(archive, Got) and hashlib.sha256(archive.body).hexdigest() == m.source.files.sealed
     marker = await w.b.store.get(w.b.uk, staged + "move.json")
     assert isinstance(marker, Got) and decode(marker.body, MoveMarker).move_id == w.move_id
+    assert w.push is not None and w.push.writes and not w.push.refused, "staged push-only, never reading (M17)"
+    ttl = FAST.staging_lease_ttl_ms
+    assert m.cut_at + ttl <= seal["staging_bound"] <= m.flipped_at + ttl, "the lane's seal bound: seal + TTL (§6.4)"
 
 
 async def test_a_source_cut_runs_from_requested_to_flipped(world: World, tmp_path: Path) -> None:
@@ -571,40 +581,78 @@ async def test_an_unarmed_source_recovery_at_admitted_returns_to_ready_before_an
     assert "recoverySourceArmed" in r.move.reason and world.stops == 0 and c.op.exec == SRC
 
 
-async def test_mirror_prefix_deletes_only_under_replica_and_copies_exact_versions(world: World) -> None:
-    """§7.3: MirrorPrefix runs on ``replica/`` only; a file the source no longer has goes, ``files/``, ``timers/``
-    and ``move.json`` stay; a file already staged with the same bytes is not copied again."""
+async def stager_for(w: World, holder: str = "ie-1/test") -> Stager:
+    """A lane's :class:`Stager` for ``w`` under a freshly taken staging-work lease, push-only into ``uk`` (M17)."""
+    b = w.b
+    work = StagingWork(b.store, b.deploy, w.clock, lease_timing(FAST), region="uk", host=w.host, op_id=w.move_id,
+                       holder=holder)
+    await work.acquire()
+    w.push = PushOnly(b.store, b.uk)
+    return await Stager.open(work, w.push, b.uk, b.store, b.deploy, w.host, w.move_id, "uk")
+
+
+async def journal_of(w: World) -> StagedSet:
+    got = await w.b.store.get(w.b.deploy, journal_key(w.host, w.move_id))
+    assert isinstance(got, Got)
+    return decode(got.body, StagedSet)
+
+
+async def test_the_mirror_decides_from_its_journal_and_deletes_only_what_it_staged(world: World) -> None:
+    """§7.3 MirrorPrefix under M17: the source never lists the lane; it copies exact versions, records them in its
+    staging journal, and deletes under ``replica/`` only what it staged and no longer has. An object someone
+    else wrote (never in the journal) is neither named nor deleted; ``files/``, ``timers/``, ``move.json`` stay."""
     b, staged = world.b, lane(world.host, world.move_id)
-    stray = staged + "replica/0000/00000000000000ff-00000000000000ff.ltx"
+    foreign = staged + "replica/0000/00000000000000fe-00000000000000fe.ltx"
     keep = [staged + "files/manifest.json", staged + "timers/timers.json", staged + "move.json"]
-    for key in (stray, *keep):
+    for key in (foreign, *keep):
         await b.store.put(b.uk, key, b"old")
     scope = GenerationScope(f"instances/{world.host}/{INC}", "g1")
-    first = await mirror_round(b.store, b.ie, scope, b.store, b.uk, world.host, world.move_id)
-    assert first.deleted == 1 and first.copied == len(first.versions) >= 1 and first.max_l0 == world.rep.position
-    keys = await b.store.list_keys(b.uk, staged)
-    assert stray not in keys and all(k in keys for k in keep)
+    stager = await stager_for(world)
+    first = await stager.mirror(b.store, b.ie, scope)
+    assert first.deleted == 0 and first.copied == len(first.versions) >= 1 and first.max_l0 == world.rep.position
+    assert world.push is not None and world.push.refused == [], "nothing read or listed the target's bucket"
+    journal = await journal_of(world)
+    assert {k[len("replica/"):]: o.version for k, o in journal.objects.items()} == first.versions
     for rel, version in first.versions.items():
         src = await b.store.get(b.ie, scope.prefix + rel)
         dst = await b.store.get(b.uk, staged + "replica/" + rel, version_id=version)
         assert isinstance(src, Got) and isinstance(dst, Got) and src.body == dst.body
     world.write(3)
     await world.rep.sync()
-    second = await mirror_round(b.store, b.ie, scope, b.store, b.uk, world.host, world.move_id)
-    assert second.copied == 1 and second.deleted == 0, "only the new level-0 file moves"
+    extra = scope.prefix + "0000/00000000000000ff-00000000000000ff.ltx"  # a file the source has, then drops
+    await b.store.put(b.ie, extra, b"dropped by the next compaction")
+    second = await (await stager_for(world)).mirror(b.store, b.ie, scope)
+    assert second.copied == 2 and second.deleted == 0, "only the new level-0 file and the extra one move"
     assert {k: v for k, v in second.versions.items() if k in first.versions} == first.versions
-    assert second.max_l0 == world.rep.position > first.max_l0
+    await b.store.delete(b.ie, extra)
+    third = await (await stager_for(world)).mirror(b.store, b.ie, scope)
+    assert (third.copied, third.deleted) == (0, 1) and third.max_l0 == world.rep.position > first.max_l0
+    keys = await b.store.list_keys(b.uk, staged)
+    assert staged + "replica/0000/00000000000000ff-00000000000000ff.ltx" not in keys, "what it staged and lost goes"
+    assert foreign in keys and all(k in keys for k in keep), "what it never staged is never touched"
+    assert world.push.refused == [] and all(w.startswith(("copy", "delete")) for w in world.push.writes)
 
 
-async def test_the_move_marker_is_create_only(buckets: Buckets, unique: Callable[[str], str]) -> None:
-    host = f"{unique('marker')}.example.com"
-    mv = new_op_id("mv", SeededRandom(3))
-    marker = MoveMarker(move_id=mv, incarnation=INC, host=host, to="uk", from_="ie")
-    v1 = await write_move_marker(buckets.store, buckets.uk, marker)
-    assert v1 and await write_move_marker(buckets.store, buckets.uk, marker) == v1, "a replay is a no-op"
-    with pytest.raises(StagingConflict, match="names move"):
-        await write_move_marker(buckets.store, buckets.uk, msgspec.structs.replace(marker, incarnation="f" * 64))
-
+async def test_the_move_marker_is_create_only(world: World) -> None:
+    """``move.json`` create-only (§7.3) without reading the lane (M17): a replay is a no-op from the journal; a
+    412 after an earlier attempt of ours whose answer was lost is ours; a 412 on a first attempt is another's."""
+    marker = MoveMarker(move_id=world.move_id, incarnation=INC, host=world.host, to="uk", from_="ie")
+    stager = await stager_for(world)
+    v1 = await stager.write_marker(marker)
+    assert v1 and await stager.write_marker(marker) == v1, "a replay is a no-op"
+    assert (await journal_of(world)).marker == v1
+    # An earlier attempt landed but its answer was lost: the journal still says pending.
+    j = await journal_of(world)
+    got = await world.b.store.get(world.b.deploy, journal_key(world.host, world.move_id))
+    assert isinstance(got, Got)
+    await world.b.store.put(world.b.deploy, journal_key(world.host, world.move_id),
+                            canonical(msgspec.structs.replace(j, marker="pending")), if_match=got.etag)
+    assert await (await stager_for(world)).write_marker(marker) == "landed"
+    # A first attempt that finds the object there: someone else wrote it.
+    await world.b.store.delete(world.b.deploy, journal_key(world.host, world.move_id))
+    with pytest.raises(StagingConflict, match="never wrote it"):
+        await (await stager_for(world)).write_marker(msgspec.structs.replace(marker, incarnation="f" * 64))
+    assert world.push is not None and world.push.refused == []
 
 
 # -- end to end with the real app: the Activator runs moveprobe in a cgroup leaf -------------------------------
@@ -659,7 +707,8 @@ async def test_a_running_moveprobe_instance_is_cut_to_flipped(
 
             box = SourceBox(
                 label=SRC, region="ie", ledger=ledger, deploy_store=b.store, deploy_bucket=b.deploy, data_store=b.store,
-                data_bucket=b.ie, staging=lambda region: (b.store, b.uk), target_key=lambda region: key.public_key(),
+                data_bucket=b.ie, staging=lambda region: (PushOnly(b.store, b.uk), b.uk),
+                target_key=lambda region: key.public_key(),
                 registry=ctx.registry, timers=timers, tree=tree, clock=clock, files_dir=ctx.files_dir,
                 db_path=ctx.db_path, stop=activator.stop,
                 lease=lambda h: lease_file_check(box_dir / "no-lease.json", clock, 1_000),

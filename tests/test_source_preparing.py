@@ -25,13 +25,15 @@ from events.record import Move, MoveInputs, Record
 from hostmove.copy import say
 from hostmove.ports import ManualClock, SeededRandom, SystemRandom, WallClock
 from hostmove.stackinfo import StackInfo
+from services.box.archive import extract
 from services.box.proctree import CgroupTree
 from services.box.replica.layout import GenerationScope
 from services.box.replica.replicator import Replicator
 from services.box.sealing import generate_private_key
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
-from services.objstore.port import Got
+from services.objstore.port import Got, ObjectStore
 from services.source import report as lr
+from services.source.lease import StagingWork, lease_timing
 from services.source.phases import PRODUCTION, TimingProfile, admission_refused
 from services.source.preparing import (
     LaunchInputs,
@@ -42,10 +44,12 @@ from services.source.preparing import (
     decide_preparing,
     decide_touch,
     plan_preparing,
+    staging_refused,
 )
 from services.source.staging import MoveMarker, lane
 from services.target.readiness import Check, TargetReport, write_report
 from tests.helpers.cgtest import box_tree
+from tests.helpers.pushonly import PushOnly
 from tests.helpers.stores import Regions, regions
 
 RNG = SeededRandom(11)
@@ -55,6 +59,7 @@ SRC, TGT = "ie-1", "uk-1"
 NOW = 1_800_000_000_000
 KEY = generate_private_key(SeededRandom(5))
 OTHER_KEY = generate_private_key(SeededRandom(6))
+UK_KEY = generate_private_key(SeededRandom(8))  # the target region's key the round archives are sealed to (§8)
 SECRET = "s3cr3t-value-never-in-clear"
 INSTANCE_ENV = {"APP_SECRET": SECRET, "PORT": "8080"}
 AGENT_ENV = {"CARLOS_REGION": "ie", "CARLOS_HOST": "h"}
@@ -229,6 +234,7 @@ class World:
     url: str | None
     launch: LaunchInputs = LAUNCH
     during_round: Callable[[], Awaitable[None]] | None = None
+    push: PushOnly | None = None
 
     @property
     def db(self) -> Path:
@@ -241,7 +247,9 @@ class World:
     def runner(self, profile: TimingProfile = PRODUCTION, tree: Any = None, armed: bool = False,
                faults: Callable[[str], None] | None = None) -> PreparingRunner:
         b = self.b
-        stores = {"uk": (b.store, b.uk)}
+        if self.push is None:
+            self.push = PushOnly(b.store, b.uk)  # M17: the source never reads the target's bucket
+        stores: dict[str, tuple[ObjectStore, str]] = {"uk": (self.push, b.uk)}
 
         async def launch(host: str) -> LaunchInputs:
             if self.during_round is not None:
@@ -253,7 +261,7 @@ class World:
             data_store=b.store, data_bucket=b.ie, staging=stores.__getitem__, secrets_key=KEY,
             tree=tree or self.tree, clock=self.clock, files_dir=lambda h: self.box_dir / "data" / h,
             db_path=lambda h: self.db, launch=launch, ready_url=lambda h: self.url, probe_timeout_s=2.0,
-            recovery_armed=lambda h: armed,
+            recovery_armed=lambda h: armed, target_key=lambda region: UK_KEY.public_key(),
         )
         return PreparingRunner(box, profile)
 
@@ -356,6 +364,7 @@ async def test_a_round_stages_the_marker_once_mirrors_the_replica_and_reports(ma
     assert second.observed is not None and 0 < second.observed.round_bytes < first.observed.round_bytes
     assert await w.b.store.list_versions(w.b.uk, staged + "move.json") == marker_versions, \
         "a second round does not rewrite move.json"
+    assert w.push is not None and w.push.writes and w.push.refused == [], "push-only: never a read of uk (M17)"
 
     body = await w.b.store.get(w.b.deploy, lr.report_key(w.host, w.move_id))
     assert isinstance(body, Got) and SECRET.encode() not in body.body
@@ -554,3 +563,70 @@ async def test_a_claim_taken_during_the_round_blocks_the_ready_cas(make_world: A
     assert result.step.kind == "blocked" and f"execution holder is {TGT}" in result.reason
     m = await w.move()
     assert (m.state, m.ready_at) == ("preparing", None), "no ready CAS after the claim changed mid-round"
+
+
+async def test_each_round_stages_its_files_archive_when_the_files_change(make_world: Any, tmp_path: Path) -> None:
+    """§7.3 "Snapshot rounds": a round builds the files archive, sealed to the target region's key, when the
+    plaintext digest changes, and stages it at ``files/`` where T5 reads the newest; an unchanged round rebuilds
+    nothing. All push-only (M17)."""
+    w: World = await make_world()
+    staged = lane(w.host, w.move_id)
+    await w.runner().run(w.host, w.move_id, INC)
+    first = [v for v in await w.b.store.list_versions(w.b.uk, staged + "files/") if v.is_latest]
+    assert sorted(v.key for v in first) == [staged + "files/archive.sealed", staged + "files/manifest.json"]
+    archive = await w.b.store.get(w.b.uk, staged + "files/archive.sealed")
+    manifest = await w.b.store.get(w.b.uk, staged + "files/manifest.json")
+    assert isinstance(archive, Got) and isinstance(manifest, Got)
+    out = extract(archive.body, manifest.body, UK_KEY, tmp_path / "t5", expect_op=w.move_id, expect_incarnation=INC,
+                  fsync=False)
+    assert (tmp_path / "t5" / "files" / "notes.txt").read_text() == "kept across regions" and out.entries >= 1
+    w.clock.advance(1_000)
+    await w.runner().run(w.host, w.move_id, INC)
+    assert [v for v in await w.b.store.list_versions(w.b.uk, staged + "files/") if v.is_latest] == first, \
+        "unchanged files: no new archive"
+    (w.box_dir / "data" / w.host / "notes.txt").write_text("changed before the cut")
+    w.clock.advance(1_000)
+    await w.runner().run(w.host, w.move_id, INC)
+    newest = await w.b.store.get(w.b.uk, staged + "files/manifest.json")
+    assert isinstance(newest, Got) and newest.version_id != manifest.version_id, "changed files: a new archive"
+    assert w.push is not None and w.push.refused == []
+
+
+async def test_a_round_waits_while_another_writer_holds_the_staging_lease(make_world: Any) -> None:
+    """§7.3, claim C3: a round takes the staging-work lease first. While another live writer holds it the round
+    stages nothing, is not a round (never ``ready`` on it), and says why; once it is released the round stages."""
+    w: World = await make_world()
+    await w.target_ready()
+    other = StagingWork(w.b.store, w.b.deploy, w.clock, lease_timing(PRODUCTION), region="uk", host=w.host,
+                        op_id=w.move_id, holder="ie-1/stalled")
+    await other.acquire()
+    held = await w.runner().run(w.host, w.move_id, INC)
+    assert held.state == "preparing" and "another staging writer" in held.reason
+    assert held.observed is not None and held.observed.staging_refused
+    assert await w.b.store.list_keys(w.b.uk, lane(w.host, w.move_id)) == [], "nothing staged without the lease"
+    await other.release()
+    again = await w.runner().run(w.host, w.move_id, INC)
+    assert again.state == "cutting", again.reason
+    assert await w.b.store.list_keys(w.b.uk, lane(w.host, w.move_id) + "replica/")
+
+
+def test_staging_is_refused_once_the_rounds_have_ended_or_k5_k12_fail() -> None:
+    """The revalidation after the staging lease (§7.3): the claim's op and phase, the record's state."""
+    host = "h.example.com"
+    c = Claim(host=host, gen=1, holder=Holder(incarnation=INC, location=f"instances/{host}/{INC}", generation="g1",
+                                              session=1, stamp=1),
+              op=Op(kind="moving", id=MV, exec=SRC, participants=(SRC, TGT)),
+              touched=Touched(regions=("ie", "uk"), boxes=(SRC, TGT)))
+    m = Move(id=MV, incarnation=INC, to="uk", from_="ie", state="preparing")
+
+    def why(move: Move = m, claim: Claim = c) -> str | None:
+        return staging_refused(Record(host=host, gen=1, move=move), claim, source=SRC, move_id=MV, incarnation=INC)
+
+    assert why() is None
+    assert why(msgspec.structs.replace(m, state="cutting", cut_phase="admitted")) is None, "the admission's round"
+    assert "rounds have ended" in (why(msgspec.structs.replace(m, state="cutting", cut_phase="stopping")) or "")
+    assert "sealed" in (why(claim=msgspec.structs.replace(c, op=msgspec.structs.replace(c.op, phase="sealed"))) or "")
+    assert "execution holder" in (why(claim=msgspec.structs.replace(c, op=msgspec.structs.replace(c.op, exec=TGT)))
+                                  or "")
+    assert "touched" in (why(claim=msgspec.structs.replace(c, touched=Touched(regions=("ie",), boxes=(SRC,)))) or "")
+    assert why(msgspec.structs.replace(m, incarnation="f" * 64)) == "the record holds another move"

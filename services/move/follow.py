@@ -17,6 +17,7 @@ succeed and neither can write anything the record did not decide.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 
@@ -41,9 +42,32 @@ rules.register(
 MOVE_KINDS = frozenset({"moving", "landing", "reverting", "restoring"})
 
 
+def host_segment(host: str) -> str:
+    """The host as one percent-encoded key segment, as the ledger's, the evidence's and the reports' keys write it
+    (``services/ledger/ledger.py``, ``services/box/evidence.py evidence_key``)."""
+    return quote(host, safe=".-_~@+")
+
+
 def staging_lane(host: str, op_id: str) -> str:
-    """The move's staging lane in the target region's bucket (§7.3)."""
-    return f"moves/{host}/{op_id}/"
+    """The move's staging lane ``moves/<host>/<op>/`` in the target region's bucket (§7.3), host percent-encoded."""
+    return f"moves/{host_segment(host)}/{op_id}/"
+
+
+def staging_scope_location(host: str, op_id: str) -> str:
+    """The lane as a park scope's ``location``: ``moves/<host>/<op>``, no trailing ``/`` (§6.4 scope grammar)."""
+    return staging_lane(host, op_id).rstrip("/")
+
+
+def staging_evidence_at(op: Op, committed_at: int | None) -> int | None:
+    """A staging lane's ``evidence_at``: its own seal bound, the seal time plus the staging lease's TTL, after
+    which no staging writer can still sign (§6.4 "evidence_at", §7.3 "Retire staging after its writers' horizon").
+    The source persists it in the seal as ``staging_bound`` (``services/source/phases.py decide_sealed``). A seal
+    written without one (an older source) falls back to the commit time, the latest durable time known here."""
+    seal = op.journal.get("seal")
+    bound = seal.get("staging_bound") if isinstance(seal, dict) else None
+    if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
+        return bound
+    return committed_at
 
 
 def _journal(op: Op, **entries: Any) -> dict[str, Any]:
@@ -85,7 +109,8 @@ def claim_half(claim: Claim | None, record: Record | None) -> Claim | NoChange |
                        scope=Scope(location=claim.holder.location, incarnation=claim.holder.incarnation,
                                    evidence_at=at)),
             Obligation(kind="park-staging", op=move.id, region=move.to, owner=target,
-                       scope=Scope(location=staging_lane(claim.host, move.id), evidence_at=at)),
+                       scope=Scope(location=staging_scope_location(claim.host, move.id),
+                                   incarnation=claim.holder.incarnation, evidence_at=staging_evidence_at(op, at))),
         )
         new_obligations = claim.obligations + tuple(o for o in obligations if o not in claim.obligations)
         return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="committed"),

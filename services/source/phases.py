@@ -14,6 +14,9 @@ re-reads the record and the claim and replays the effects of the phase the journ
 | archived  | sealed archive create-only, copy to ``files/``; digests  | the claim's phase is ``sealed``            |
 | flipped   | the claim follows (:func:`services.move.follow.claim_half`) | the claim is ``landing``                |
 
+The ``sealed`` CAS also records the lane's seal bound ``staging_bound`` (seal time + staging lease TTL), the staging
+park's ``evidence_at`` (§6.4).
+
 Every phase after ``admitted`` is refused once ``now > cut_deadline`` (§7.4 "One absolute deadline"): the worker
 does nothing and leaves the move to the failure paths (``reverting``, later work).
 """
@@ -75,16 +78,29 @@ class TimingProfile:
     landing_budget_s: float  # landing_deadline = flipped_at + this (D§13 ambiguity 4: no value given)
     drain_timeout_s: float  # §9.4 drain before the stop evidence
     bar_bytes: int = 16 * MIB  # §7.3 the 16 MiB bar for a round
+    staging_lease_ttl_s: float = 1800.0  # §7.3 the staging-work lease's TTL (claim C3); > skew + signature age
+    clock_skew_s: float = 10.0  # §7.3 SafeUntil's clock skew allowance
+    signature_age_s: float = 900.0  # §7.3 S3's signature-age limit (15 min) in SafeUntil = Until - skew - 15 min
+
+    def __post_init__(self) -> None:
+        if self.staging_lease_ttl_s <= self.clock_skew_s + self.signature_age_s:
+            raise ValueError(f"timing profile {self.name}: the staging lease TTL must exceed the clock skew plus the "
+                             "signature-age limit, or SafeUntil is already past when the lease is taken (§7.3)")
 
     @property
     def cut_budget_s(self) -> float:
         return self.cut_window_s
 
+    @property
+    def staging_lease_ttl_ms(self) -> int:
+        return int(self.staging_lease_ttl_s * 1000)
+
 
 PRODUCTION: Final = TimingProfile("production", cut_window_s=120.0, open_budget_s=5.0, freshness_s=600.0,
                                   landing_budget_s=900.0, drain_timeout_s=10.0)
 FAST: Final = TimingProfile("fast", cut_window_s=12.0, open_budget_s=0.5, freshness_s=60.0,
-                            landing_budget_s=30.0, drain_timeout_s=2.0)
+                            landing_budget_s=30.0, drain_timeout_s=2.0, staging_lease_ttl_s=2.0,
+                            clock_skew_s=0.05, signature_age_s=0.3)
 
 
 # -- readiness ----------------------------------------------------------------------------------------------
@@ -323,9 +339,12 @@ def decide_seal(claim: Claim | None, move_id: str, source: str, seal: dict[str, 
     return msgspec.structs.replace(got, op=msgspec.structs.replace(got.op, journal=journal))
 
 
-def decide_sealed(claim: Claim | None, move_id: str, source: str, files: dict[str, str]) -> Claim | NoChange | Refusal:
+def decide_sealed(claim: Claim | None, move_id: str, source: str, files: dict[str, str], *,
+                  staging_bound: int | None = None) -> Claim | NoChange | Refusal:
     """``archived``'s completion: the archive's staged versions join the seal and the claim's phase becomes
-    ``sealed`` (the flip's claim half starts from ``moving/sealed``, D§3.1)."""
+    ``sealed`` (the flip's claim half starts from ``moving/sealed``, D§3.1). ``staging_bound`` is the lane's seal
+    bound, the seal time plus the staging lease's TTL, persisted with the seal: the staging park's ``evidence_at``
+    (§6.4, :func:`services.move.follow.staging_evidence_at`)."""
     got = _source_claim(claim, move_id, source, "none")
     if isinstance(got, Refusal):
         return got
@@ -335,7 +354,8 @@ def decide_sealed(claim: Claim | None, move_id: str, source: str, files: dict[st
     if got.op.phase == SEALED:
         return NoChange("the claim is sealed") if seal.get("files") == files else Refusal(
             "a different archive is already sealed for this move")
-    journal = {**got.op.journal, "seal": {**seal, "files": files}}
+    bound = {} if staging_bound is None else {"staging_bound": staging_bound}
+    journal = {**got.op.journal, "seal": {**seal, "files": files, **bound}}
     return msgspec.structs.replace(got, op=msgspec.structs.replace(got.op, phase=SEALED, journal=journal))
 
 

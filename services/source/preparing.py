@@ -6,8 +6,11 @@ One preparing round, from durable state only (§7.13):
    source (:func:`plan_preparing`).
 2. Journal first: the target region and box join the claim's ``touched`` by CAS before the first staging write
    (claim spec §2, K12; T9 checks it).
-3. ``move.json`` create-only (a replay's conditional PUT loses and rewrites nothing), then a staging round:
-   ``replica/`` mirrored by exact version (:func:`services.source.staging.mirror_round`).
+3. The staging-work lease first (§7.3, claim C3; :mod:`services.source.lease`), then the claim's op and phase
+   revalidated (:func:`staging_refused`); then, push-only (M17, :class:`services.source.staging.Stager`):
+   ``move.json`` create-only, ``replica/`` mirrored by exact version, and the files archive sealed to the target
+   region's key whenever the files' plaintext digest changed (§7.3 "Snapshot rounds"; T5 reads it). Every request
+   checks ``SafeUntil`` right before it is signed; a round that cannot stage says why and is not a round.
 4. The launch report ``source.json`` (:mod:`services.source.report`).
 5. S1: the instance as it runs now answers its readiness path with 200..399; S2: its next spawn is strict.
    Every spawn on this box is strict (the activator only spawns into a cgroup v2 leaf), so S2 is whether strict
@@ -18,16 +21,18 @@ One preparing round, from durable state only (§7.13):
 7. The auto cut: ``ready -> cutting/requested`` when ``move.cut == "auto"``; a manual move waits (M-C12).
 
 Every write is idempotent on replay: the touch and both record CASes answer ``NoChange`` when done, ``move.json``
-is create-only, the mirror skips what is staged, the report is rewritten whole.
+is create-only, the mirror skips what the staging journal records as staged, the archive is rebuilt only when the
+files changed, the report is rewritten whole.
 
-Not done here: the staging-work lease and the ``SafeUntil`` check before each signature (§7.3, claim C3), the
-files archive of each round (built at the cut, :mod:`services.source.worker`), and proof that the S1 answer comes
-from the instance's own process (the probe trusts the configured address).
+Not done here: proof that the S1 answer comes from the instance's own process (the probe trusts the configured
+address).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,20 +41,22 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 import msgspec
+from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 
 from events.claim import Claim
 from events.record import MoveInputs, Record
 from hostmove.copy import say
-from hostmove.ports import Clock
-from services.box.archive import ArchiveError, plain_digest
+from hostmove.ports import Clock, Random, SystemRandom, process_nonce
+from services.box.archive import ArchiveError, build_archive, manifest_bytes, plain_digest
 from services.box.replica.layout import GenerationScope
 from services.box.sealing import PrivateKey
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.guards import step_allowed
-from services.objstore.port import Got, ObjectStore
+from services.objstore.port import Got, ObjectStore, StoreError
 from services.source import report as launch_report
-from services.source.phases import Readiness, TimingProfile, decide_ready, not_ready
-from services.source.staging import MoveMarker, mirror_round, write_move_marker
+from services.source.lease import StagingStopped, StagingWork, lease_timing
+from services.source.phases import SEALED, Readiness, TimingProfile, decide_ready, not_ready
+from services.source.staging import Mirrored, MoveMarker, Stager
 from services.target.readiness import TargetReport
 from services.target.readiness import report_key as target_report_key
 
@@ -89,6 +96,34 @@ def plan_preparing(record: Record | None, claim: Claim | None, *, source: str, m
     if move.to not in touched.regions or claim.op.participants[1] not in touched.boxes:
         return PrepStep("touch", f"{move.to} and {claim.op.participants[1]} join touched before staging")
     return PrepStep("round")
+
+
+def staging_refused(record: Record | None, claim: Claim | None, *, source: str, move_id: str,
+                    incarnation: str) -> str | None:
+    """Why a preparing round may not stage now, read fresh right after the staging-work lease was taken (§7.3:
+    "then revalidate the claim's op id and phase"), or None. Rounds run while the move is ``preparing`` or
+    ``ready`` and for the cut's admission (``cutting`` at ``requested``/``admitted``, §7.4); K5 and K12 hold."""
+    if record is None or record.move is None:
+        return "the host has no move"
+    move = record.move
+    if move.id != move_id or move.incarnation != incarnation:
+        return "the record holds another move"
+    if move.state not in ("preparing", "ready") and not (
+            move.state == "cutting" and move.cut_phase in ("requested", "admitted")):
+        return f"the move is {move.state}/{move.cut_phase or '-'}; its preparing rounds have ended"
+    why = step_allowed(claim, op_id=move_id, kinds=("moving",), exec_box=source)
+    if why is not None:
+        return why
+    assert claim is not None
+    if claim.op.phase == SEALED:
+        return "the staging lane is sealed"
+    if len(claim.op.participants) != 2 or claim.op.participants[0] != source:
+        return f"the move's claim does not name {source} as its source"
+    if claim.holder is None:
+        return "the claim has no holder, so there is no replica to stage"
+    if move.to not in claim.touched.regions or claim.op.participants[1] not in claim.touched.boxes:
+        return f"{move.to} and {claim.op.participants[1]} have not joined touched; nothing is staged (K12)"
+    return None
 
 
 def decide_touch(claim: Claim | None, move_id: str, source: str, region: str) -> Claim | NoChange | Refusal:
@@ -256,6 +291,10 @@ class PreparingBox:
     ready_url: Callable[[str], str | None]
     recovery_armed: Callable[[str], bool] = lambda host: False
     probe_timeout_s: float = 5.0
+    rng: Random = field(default_factory=SystemRandom)  # the staging lease holder's nonce
+    # target region -> its public key, to seal each round's files archive to (§7.3, §8). Without it the rounds
+    # stage no archive and the target's T5 cannot pass.
+    target_key: Callable[[str], EllipticCurvePublicKey] | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +329,7 @@ class PreparingRunner:
     def __init__(self, box: PreparingBox, profile: TimingProfile) -> None:
         self.box = box
         self.profile = profile
+        self.holder = f"{box.label}/{process_nonce(box.rng)}"  # this runner's staging lease token (§7.3)
 
     async def run(self, host: str, move_id: str, incarnation: str) -> PrepResult:
         """Steps until a round ran (touch first when needed), or the stage stops (idle, blocked)."""
@@ -370,18 +410,15 @@ class PreparingRunner:
         box = self.box
         assert record.move is not None and claim.holder is not None
         move = record.move
-        store, bucket = box.staging(move.to)
-        await write_move_marker(store, bucket, MoveMarker(move_id=move.id, incarnation=move.incarnation, host=host,
-                                                          from_=move.from_ or box.region, to=move.to))
-        scope = GenerationScope(claim.holder.location, claim.holder.generation)
-        mirrored = await mirror_round(box.data_store, box.data_bucket, scope, store, bucket, host, move.id)
-        launch = await box.launch(host)
         refused = ""
         try:
             files_plain = "sha256:" + (await asyncio.to_thread(plain_digest, box.files_dir(host), None,
                                                                host=host)).plain
         except ArchiveError as exc:
             files_plain, refused = "", f"the files beside the database cannot move: {exc}"
+        mirrored, stopped = await self._stage(host, record, claim, files_plain)
+        refused = refused or stopped
+        launch = await box.launch(host)
         db = box.db_path(host)
         db_bytes = db.stat().st_size if db.exists() else 0
         values = launch_report.input_values(bundle_etags=launch.bundle_etags, overlay_etag=launch.overlay_etag,
@@ -395,13 +432,63 @@ class PreparingRunner:
         target, target_detail = await self._target_report(host, move.id)
         inputs = MoveInputs(bundle_etags=dict(launch.bundle_etags), overlay_etag=launch.overlay_etag,
                             release=launch.release, files_plain=files_plain, env_report=report.digest())
-        obs = Observed(at=box.clock.now_ms(), round_bytes=mirrored.bytes, s1_ok=s1_ok, s1_detail=s1_detail,
-                       strict=strict, strict_detail=strict_detail, target=target, target_detail=target_detail,
+        obs = Observed(at=box.clock.now_ms(), round_bytes=mirrored.bytes if mirrored else 0, s1_ok=s1_ok,
+                       s1_detail=s1_detail, strict=strict, strict_detail=strict_detail, target=target,
+                       target_detail=target_detail,
                        inputs=inputs, recovery_armed=box.recovery_armed(host), staging_refused=refused)
         log.info("preparing round", extra={"host": host, "op": move.id, "box": box.label,
-                                           "copied": mirrored.copied, "bytes": mirrored.bytes, "s1": s1_ok,
+                                           "copied": mirrored.copied if mirrored else 0,
+                                           "bytes": obs.round_bytes, "staged": not refused, "s1": s1_ok,
                                            "strict": strict, "target_ready": bool(target and target.ready)})
         return obs, version
+
+    async def _stage(self, host: str, record: Record, claim: Claim, files_plain: str) -> tuple[Mirrored | None, str]:
+        """One staging round under the staging-work lease (§7.3): take it, revalidate, stage push-only (M17), give
+        it back. Answers the mirror, or why the round could not stage (then it is not a round)."""
+        box = self.box
+        assert record.move is not None and claim.holder is not None
+        move = record.move
+        store, bucket = box.staging(move.to)
+        work = StagingWork(box.deploy_store, box.deploy_bucket, box.clock, lease_timing(self.profile),
+                           region=move.to, host=host, op_id=move.id, holder=self.holder)
+        try:
+            await work.acquire()
+            try:
+                why = staging_refused((await box.ledger.read_record(host)).state,
+                                      (await box.ledger.read_claim(host)).state, source=box.label, move_id=move.id,
+                                      incarnation=move.incarnation)
+                if why is not None:
+                    return None, why
+                stager = await Stager.open(work, store, bucket, box.deploy_store, box.deploy_bucket, host, move.id,
+                                           move.to)
+                await stager.write_marker(MoveMarker(move_id=move.id, incarnation=move.incarnation, host=host,
+                                                     from_=move.from_ or box.region, to=move.to))
+                scope = GenerationScope(claim.holder.location, claim.holder.generation)
+                mirrored = await stager.mirror(box.data_store, box.data_bucket, scope)
+                if files_plain and box.target_key is not None and not stager.round_archive_current(files_plain):
+                    try:
+                        archive, manifest = await asyncio.to_thread(self._archive, host, record)
+                    except ArchiveError as exc:
+                        return None, f"the files beside the database cannot move: {exc}"
+                    await stager.stage_round_archive(files_plain, archive, manifest)
+                return mirrored, ""
+            finally:
+                with contextlib.suppress(StoreError):
+                    await work.release()
+        except StagingStopped as exc:
+            log.info("preparing round stopped", extra={"host": host, "op": move.id, "box": box.label,
+                                                       "reason": str(exc)})
+            return None, str(exc)
+
+    def _archive(self, host: str, record: Record) -> tuple[bytes, bytes]:
+        """The round's files archive sealed to the target region's key (§7.3, §8), and its manifest."""
+        assert record.move is not None
+        move = record.move
+        out = io.BytesIO()
+        assert self.box.target_key is not None
+        manifest = build_archive(self.box.files_dir(host), None, out, self.box.target_key(move.to), host=host,
+                                 op_id=move.id, incarnation=move.incarnation)
+        return out.getvalue(), manifest_bytes(manifest)
 
     async def _target_report(self, host: str, move_id: str) -> tuple[TargetReport | None, str]:
         got = await self.box.deploy_store.get(self.box.deploy_bucket, target_report_key(host, move_id))
@@ -424,5 +511,5 @@ def _why_not(out: Any) -> str:
 __all__ = [
     "LaunchInputs", "Observed", "PrepResult", "PrepStep", "PreparingBox", "PreparingRunner", "StrictCheck",
     "decide_auto_cut", "decide_preparing", "decide_touch", "explain", "pinned_inputs_differ", "plan_preparing",
-    "probe_ready", "readiness_of",
+    "probe_ready", "readiness_of", "staging_refused",
 ]

@@ -1,33 +1,55 @@
-"""The source's staging writes into the target region's bucket (spec §7.3 "Staging layout", "Seal by version").
+"""The source's staging writes into the target region's bucket (spec §7.3 "Staging layout", "Seal by version";
+§0.1 M17).
 
 ``moves/<host>/<op>/`` holds ``move.json`` (create-only, before the first round), ``replica/`` (the mirrored
-replica of the host's current generation; the only subtree :func:`mirror_prefix` ever deletes in), ``files/``
-(the sealed archive and its manifest) and ``timers/`` (the timers snapshot). Every write answers the exact
-``VersionId`` it created, so the seal can name versions and nothing else (§7.3).
+replica of the host's current generation; the only subtree the mirror ever deletes in), ``files/`` (the sealed
+archive and its manifest: each preparing round's, then the cut's) and ``timers/`` (the timers snapshot).
 
-Not done here: the staging-work lease and the ``SafeUntil`` check before each signature (§7.3, claim C3), and the
-M17 push-only grant (this code reads the target's listing to mirror; a push-only principal would keep the
-round's manifest itself).
+**Push-only (M17).** The source may put, copy into and delete in the target's ``moves/*`` but never read or list
+it. So it decides from its own knowledge: the **staging journal** ``moves/<host>/<op>/staged-source.json`` in the
+deployment bucket records every object it staged with the exact ``VersionId`` the PUT or COPY answered, journal
+first (a write is recorded as pending before it is signed, and its version after). The mirror compares the
+source's own replica with that journal, never with a listing of the target; the seal names the versions it
+records (§7.3 "Seal by version"), so a stale round's later version, a pending write that landed unrecorded, or an
+object someone else wrote is never named and the landing never reads it.
+
+**Under the staging-work lease.** Every request is preceded by :meth:`StagingWork.before_sign
+<services.source.lease.StagingWork.before_sign>` (§7.3 "Sign only before SafeUntil"); the journal is written by
+CAS, so two writers never interleave silently (a lost CAS stops the round).
+
+**Files.** ``files/archive.sealed`` and ``files/manifest.json`` are rewritten (new versions) by each preparing
+round whose files changed (T5 reads the newest, §7.3 "Snapshot rounds") and by the cut's ``archived``; the seal
+names the cut's versions only, so the rounds' never reach a landing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 
 from events.base import Durable, Ident, canonical, decode
 from services.box.replica.layout import GenerationScope, parse_ltx_name
-from services.move.follow import staging_lane
-from services.objstore.port import Got, Lost, ObjectStore, StoreError, VersionEntry
+from services.move.follow import host_segment, staging_lane
+from services.objstore.port import Got, Lost, ObjectStore, StoreError, VersionEntry, Won
+from services.source.lease import StagingStopped, StagingWork
 
-REPLICA = "replica/"
-FILES = "files/"
-TIMERS = "timers/"
+REPLICA: Final = "replica/"
+FILES: Final = "files/"
+TIMERS: Final = "timers/"
+ARCHIVE: Final = FILES + "archive.sealed"
+MANIFEST: Final = FILES + "manifest.json"
+TIMERS_JSON: Final = TIMERS + "timers.json"
+PENDING: Final = "pending"  # a write recorded before it was signed; its version is unknown
+LANDED: Final = "landed"  # move.json's create answered 412 after an earlier attempt of ours: ours, version unknown
+JOURNAL_VERSION: Final = 1
 
 
 class StagingConflict(Exception):
-    """A create-only staging object already exists with other content: another move or a defect wrote it."""
+    """A create-only staging object already exists and this source never wrote it: another move or a defect."""
 
 
 class MoveMarker(Durable, frozen=True):
@@ -40,19 +62,48 @@ class MoveMarker(Durable, frozen=True):
     from_: str = msgspec.field(default="", name="from")
 
 
+class StagedObject(Durable, frozen=True):
+    """One staged object: ``version`` the exact ``VersionId`` its PUT or COPY answered (``""`` while pending);
+    ``src`` what it holds: the source object's version for ``replica/``, a content tag otherwise."""
+
+    version: str
+    src: str
+
+
+class StagedSet(Durable, frozen=True):
+    """The staging journal ``moves/<host>/<op>/staged-source.json`` (deployment bucket): what the source staged
+    into ``region``'s lane. ``objects`` is keyed by the name under the lane (``replica/…``, ``files/…``,
+    ``timers/…``); ``marker`` is ``move.json``'s version, :data:`PENDING` or :data:`LANDED`; ``files_plain`` the
+    plaintext digest the newest round archive was built from."""
+
+    v: int
+    host: Ident
+    move_id: Ident
+    region: Ident
+    marker: str = ""
+    objects: dict[str, StagedObject] = msgspec.field(default_factory=dict)
+    files_plain: str = ""
+
+
 def lane(host: str, op_id: str) -> str:
-    """``moves/<host>/<op>/`` (§7.3)."""
+    """``moves/<host>/<op>/`` (§7.3), the host percent-encoded."""
     return staging_lane(host, op_id)
 
 
 def snapshot_prefix(host: str, op_id: str) -> str:
     """``move-snapshots/<host>/<op>/`` in the source region's bucket (§7.4 ``stopped``, ``archived``)."""
-    return f"move-snapshots/{host}/{op_id}/"
+    return f"move-snapshots/{host_segment(host)}/{op_id}/"
+
+
+def journal_key(host: str, op_id: str) -> str:
+    """``moves/<host>/<op>/staged-source.json`` in the deployment bucket, beside ``source.json``."""
+    return f"moves/{host_segment(host)}/{op_id}/staged-source.json"
 
 
 async def create_once(store: ObjectStore, bucket: str, key: str, body: bytes) -> str | None:
-    """Create-only PUT; a replay finds its own bytes and answers that object's version. Other bytes raise
-    :class:`StagingConflict` (never overwritten)."""
+    """Create-only PUT into a bucket this box may read (its own): a replay finds its own bytes and answers that
+    object's version. Other bytes raise :class:`StagingConflict` (never overwritten). Never for the target's
+    bucket (M17: the source cannot read it)."""
     put = await store.put(bucket, key, body, if_none_match=True)
     if not isinstance(put, Lost):
         return put.version_id
@@ -64,18 +115,52 @@ async def create_once(store: ObjectStore, bucket: str, key: str, body: bytes) ->
     return got.version_id
 
 
-async def write_move_marker(store: ObjectStore, bucket: str, marker: MoveMarker) -> str | None:
-    """``move.json`` create-only (§7.3): a second write for the same move is a no-op; for another move, refused."""
-    key = lane(marker.host, marker.move_id) + "move.json"
-    try:
-        return await create_once(store, bucket, key, canonical(marker))
-    except StagingConflict:
-        got = await store.get(bucket, key)
-        other = decode(got.body, MoveMarker) if isinstance(got, Got) else None
-        raise StagingConflict(
-            f"{bucket}/{key} names move {other.move_id if other else '?'} of incarnation "
-            f"{other.incarnation if other else '?'}, not this one; staging stops"
-        ) from None
+def tag(kind: str, body: bytes) -> str:
+    """A content tag for :attr:`StagedObject.src`: ``<kind>:sha256:<hex>``."""
+    return f"{kind}:sha256:{hashlib.sha256(body).hexdigest()}"
+
+
+# -- the pure part ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MirrorPlan:
+    """What one mirror round writes (§7.3): ``copy`` maps a name under ``replica/`` to the source version to copy,
+    ``delete`` the names the source staged and no longer has; ``keep`` the staged versions already current."""
+
+    copy: dict[str, str]
+    delete: tuple[str, ...]
+    keep: dict[str, str]
+
+
+def plan_mirror(staged: StagedSet, source: dict[str, str]) -> MirrorPlan:
+    """Decide the mirror from the journal and the source's own replica (``name -> source version``), never from a
+    listing of the target (M17). A pending or differently sourced entry is copied again (a new version)."""
+    copy: dict[str, str] = {}
+    keep: dict[str, str] = {}
+    for rel, src_version in sorted(source.items()):
+        have = staged.objects.get(REPLICA + rel)
+        if have is not None and have.version and have.src == src_version:
+            keep[rel] = have.version
+        else:
+            copy[rel] = src_version
+    delete = tuple(sorted(k[len(REPLICA):] for k in staged.objects
+                          if k.startswith(REPLICA) and k[len(REPLICA):] not in source))
+    return MirrorPlan(copy, delete, keep)
+
+
+def with_objects(staged: StagedSet, changes: dict[str, StagedObject | None], **fields: str) -> StagedSet:
+    """The journal with ``changes`` applied (``None`` drops a name) and ``fields`` replaced."""
+    objects = dict(staged.objects)
+    for name, obj in changes.items():
+        if obj is None:
+            objects.pop(name, None)
+        else:
+            objects[name] = obj
+    return msgspec.structs.replace(staged, objects=objects, **fields)
+
+
+# -- the runner ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -94,61 +179,171 @@ def _latest(entries: list[VersionEntry]) -> dict[str, VersionEntry]:
     return {e.key: e for e in entries if e.is_latest and not e.is_delete_marker}
 
 
-async def mirror_round(
-    src: ObjectStore, src_bucket: str, scope: GenerationScope, dst: ObjectStore, dst_bucket: str, host: str,
-    op_id: str,
-) -> Mirrored:
-    """Mirror the current replica files of ``scope`` into ``replica/`` by server-side copy of exact versions, then
-    ``MirrorPrefix``: delete what the source no longer has, under ``replica/`` only (§7.3)."""
-    prefix = lane(host, op_id) + REPLICA
-    source = {k: e for k, e in _latest(await src.list_versions(src_bucket, scope.prefix)).items()
-              if scope.parse(k) is not None}
-    staged = _latest(await dst.list_versions(dst_bucket, prefix))
-    versions: dict[str, str] = {}
-    copied = moved = 0
-    for key, entry in sorted(source.items()):
-        rel = key[len(scope.prefix):]
-        have = staged.get(prefix + rel)
-        if have is not None and have.size == entry.size and have.etag == entry.etag:
-            versions[rel] = have.version_id
-            continue
-        won = await dst.copy(dst_bucket, prefix + rel, src_bucket=src_bucket, src_key=key,
-                             src_version_id=entry.version_id)
-        if won.version_id is None:
-            raise StoreError(f"the copy into {dst_bucket}/{prefix + rel} answered no version; a seal needs one")
-        versions[rel] = won.version_id
-        copied += 1
-        moved += entry.size
-    deleted = 0
-    for key in sorted(staged):
-        if key.startswith(prefix) and key[len(prefix):] not in versions:
-            await dst.delete(dst_bucket, key)
-            deleted += 1
-    max_l0 = max((p[2] for rel in versions if (p := parse_ltx_name(rel)) is not None and p[0] == 0), default=0)
-    return Mirrored(versions, copied, deleted, moved, max_l0)
+def _version(out: Won | Lost, where: str) -> str:
+    if isinstance(out, Lost) or not out.version_id:
+        raise StoreError(f"the write of {where} answered no version; the staging bucket must be versioned (§7.3)")
+    return out.version_id
 
 
-async def stage_timers(store: ObjectStore, bucket: str, host: str, op_id: str, body: bytes) -> str:
-    """``timers/timers.json`` create-only; answers its exact version (§7.4 ``stopped``)."""
-    version = await create_once(store, bucket, lane(host, op_id) + TIMERS + "timers.json", body)
-    if version is None:
-        raise StoreError("the timers snapshot was stored without a version; the staging bucket must be versioned")
-    return version
+class Stager:
+    """One round's staging writes into one lane, push-only (M17), under the staging-work lease (§7.3). Build it
+    with :meth:`open` after :meth:`StagingWork.acquire` and the claim's revalidation."""
 
+    def __init__(self, work: StagingWork, store: ObjectStore, bucket: str, journal_store: ObjectStore,
+                 journal_bucket: str, host: str, op_id: str, region: str) -> None:
+        self.work, self.store, self.bucket = work, store, bucket
+        self.journal_store, self.journal_bucket = journal_store, journal_bucket
+        self.host, self.op_id, self.region = host, op_id, region
+        self.prefix = lane(host, op_id)
+        self.key = journal_key(host, op_id)
+        self.state = StagedSet(v=JOURNAL_VERSION, host=host, move_id=op_id, region=region)
+        self._etag: str | None = None
 
-async def stage_files(store: ObjectStore, bucket: str, host: str, op_id: str, *, src_bucket: str,
-                      archive_key: str, archive_version: str, manifest: bytes) -> dict[str, str]:
-    """Copy the sealed archive (exact version) into ``files/`` and put its manifest; answer both versions."""
-    base = lane(host, op_id) + FILES
-    won = await store.copy(bucket, base + "archive.sealed", src_bucket=src_bucket, src_key=archive_key,
-                           src_version_id=archive_version)
-    manifest_version = await create_once(store, bucket, base + "manifest.json", manifest)
-    if won.version_id is None or manifest_version is None:
-        raise StoreError("the archive was staged without a version; the staging bucket must be versioned")
-    return {"archive.sealed": won.version_id, "manifest.json": manifest_version}
+    @classmethod
+    async def open(cls, work: StagingWork, store: ObjectStore, bucket: str, journal_store: ObjectStore,
+                   journal_bucket: str, host: str, op_id: str, region: str) -> Stager:
+        self = cls(work, store, bucket, journal_store, journal_bucket, host, op_id, region)
+        got = await journal_store.get(journal_bucket, self.key)
+        if isinstance(got, Got):
+            state = decode(got.body, StagedSet)
+            if (state.host, state.move_id, state.region) != (host, op_id, region):
+                raise StagingConflict(f"the staging journal {self.key} names {state.host} {state.move_id} into "
+                                      f"{state.region}, not this move; staging stops")
+            self.state, self._etag = state, got.etag
+        return self
+
+    async def _journal(self, new: StagedSet) -> None:
+        """Write the journal by CAS; a lost CAS means another writer staged meanwhile: the round stops."""
+        if new == self.state and self._etag is not None:
+            return
+        body = canonical(new)
+        if self._etag is None:
+            out = await self.journal_store.put(self.journal_bucket, self.key, body, if_none_match=True)
+        else:
+            out = await self.journal_store.put(self.journal_bucket, self.key, body, if_match=self._etag)
+        if isinstance(out, Lost):
+            raise StagingStopped(f"the staging journal of {self.host} changed under this round (another staging "
+                                 "writer); the round stops")
+        self.state, self._etag = new, out.etag
+
+    async def _put(self, name: str, body: bytes, *, create: bool = False) -> Won | Lost:
+        await self.work.before_sign(f"the PUT of {self.prefix + name}")
+        return await self.store.put(self.bucket, self.prefix + name, body, if_none_match=create)
+
+    # -- move.json --------------------------------------------------------------------------------------------
+
+    async def write_marker(self, marker: MoveMarker) -> str:
+        """``move.json`` create-only (§7.3), journal first. A 412 after an earlier attempt of ours is ours (its
+        response was lost); a 412 on the first attempt is someone else's object: :class:`StagingConflict`."""
+        if self.state.marker not in ("", PENDING):
+            return self.state.marker
+        earlier = self.state.marker == PENDING
+        if not earlier:
+            await self._journal(msgspec.structs.replace(self.state, marker=PENDING))
+        out = await self._put("move.json", canonical(marker), create=True)
+        if isinstance(out, Lost):
+            if not earlier:
+                raise StagingConflict(f"{self.bucket}/{self.prefix}move.json already exists and this source never "
+                                      "wrote it; staging stops")
+            done = LANDED
+        else:
+            done = out.version_id or LANDED
+        await self._journal(msgspec.structs.replace(self.state, marker=done))
+        return done
+
+    # -- replica/ ---------------------------------------------------------------------------------------------
+
+    async def mirror(self, src: ObjectStore, src_bucket: str, scope: GenerationScope) -> Mirrored:
+        """Mirror the current replica files of ``scope`` into ``replica/`` by server-side copy of exact versions,
+        then delete what this source staged and no longer has, under ``replica/`` only (§7.3 ``MirrorPrefix``)."""
+        listed = _latest(await src.list_versions(src_bucket, scope.prefix))
+        source = {k[len(scope.prefix):]: e for k, e in listed.items() if scope.parse(k) is not None}
+        plan = plan_mirror(self.state, {rel: e.version_id for rel, e in source.items()})
+        if plan.copy:  # journal first: the copies are pending until their versions are recorded
+            await self._journal(with_objects(self.state, {REPLICA + rel: StagedObject(version="", src=v)
+                                                          for rel, v in plan.copy.items()}))
+        done: dict[str, StagedObject | None] = {}
+        moved = 0
+        try:
+            for rel, src_version in plan.copy.items():
+                await self.work.before_sign(f"the COPY into {self.prefix + REPLICA + rel}")
+                won = await self.store.copy(self.bucket, self.prefix + REPLICA + rel, src_bucket=src_bucket,
+                                            src_key=scope.prefix + rel, src_version_id=src_version)
+                done[REPLICA + rel] = StagedObject(version=_version(won, self.prefix + REPLICA + rel),
+                                                   src=src_version)
+                moved += source[rel].size
+            for rel in plan.delete:
+                await self.work.before_sign(f"the DELETE of {self.prefix + REPLICA + rel}")
+                await self.store.delete(self.bucket, self.prefix + REPLICA + rel)  # a bare delete (M17)
+                done[REPLICA + rel] = None
+        except (StagingStopped, StoreError):
+            if done:  # record what landed before the round stopped; the next round redoes only the rest
+                with contextlib.suppress(StagingStopped, StoreError):
+                    await self._journal(with_objects(self.state, done))
+            raise
+        if done:
+            await self._journal(with_objects(self.state, done))
+        versions = {**plan.keep, **{k[len(REPLICA):]: o.version for k, o in done.items() if o is not None}}
+        max_l0 = max((p[2] for rel in versions if (p := parse_ltx_name(rel)) is not None and p[0] == 0), default=0)
+        return Mirrored(versions, len(plan.copy), len(plan.delete), moved, max_l0)
+
+    # -- timers/ and files/ -------------------------------------------------------------------------------------
+
+    async def _stage(self, bodies: dict[str, tuple[bytes, str]], **fields: str) -> dict[str, str]:
+        """Put each ``name -> (body, src tag)`` unless the journal already records that content staged; journal
+        first; answers every name's exact version."""
+        have = {n: o.version for n in bodies if (o := self.state.objects.get(n)) is not None and o.version
+                and o.src == bodies[n][1]}
+        todo = {n: b for n, b in bodies.items() if n not in have}
+        if not todo:
+            if fields:
+                await self._journal(msgspec.structs.replace(self.state, **fields))
+            return have
+        pending: dict[str, StagedObject | None] = {n: StagedObject(version="", src=s) for n, (_, s) in todo.items()}
+        await self._journal(with_objects(self.state, pending))
+        done: dict[str, StagedObject | None] = {}
+        for name, (body, src) in todo.items():
+            done[name] = StagedObject(version=_version(await self._put(name, body), self.prefix + name), src=src)
+        await self._journal(with_objects(self.state, done, **fields))
+        return {**have, **{n: o.version for n, o in done.items() if o is not None}}
+
+    async def stage_timers(self, body: bytes) -> str:
+        """``timers/timers.json`` (§7.4 ``stopped``); a replay of the same snapshot reuses the recorded version."""
+        return (await self._stage({TIMERS_JSON: (body, tag("timers", body))}))[TIMERS_JSON]
+
+    async def stage_round_archive(self, plain: str, archive: bytes, manifest: bytes) -> dict[str, str]:
+        """A preparing round's files archive (§7.3 "Snapshot rounds": built when the plaintext digest changes),
+        at ``files/`` where T5 reads the newest. The seal never names it."""
+        return await self._stage({ARCHIVE: (archive, tag("round", archive)),
+                                  MANIFEST: (manifest, tag("round", manifest))}, files_plain=plain)
+
+    def round_archive_current(self, plain: str) -> bool:
+        """Whether the newest staged archive was built from ``plain`` (§7.3: rebuilt only when it changes)."""
+        objects = self.state.objects
+        return bool(plain) and self.state.files_plain == plain and all(
+            (o := objects.get(n)) is not None and o.version and o.src.startswith("round:") for n in (ARCHIVE, MANIFEST))
+
+    async def stage_files(self, *, src_bucket: str, archive_key: str, archive_version: str,
+                          manifest: bytes) -> dict[str, str]:
+        """The cut's sealed archive (§7.4 ``archived``): copy its exact version into ``files/`` and put its
+        manifest; answer both versions (relative to ``files/``) for the seal. A replay reuses what it recorded."""
+        src = f"cut:{archive_key}@{archive_version}"
+        have = self.state.objects.get(ARCHIVE)
+        manifest_tag = tag("cut", manifest)
+        if have is None or not have.version or have.src != src:
+            await self._journal(with_objects(self.state, {ARCHIVE: StagedObject(version="", src=src)}))
+            await self.work.before_sign(f"the COPY into {self.prefix + ARCHIVE}")
+            won = await self.store.copy(self.bucket, self.prefix + ARCHIVE, src_bucket=src_bucket, src_key=archive_key,
+                                        src_version_id=archive_version)
+            await self._journal(with_objects(self.state, {ARCHIVE: StagedObject(
+                version=_version(won, self.prefix + ARCHIVE), src=src)}, files_plain=""))
+        versions = await self._stage({MANIFEST: (manifest, manifest_tag)})
+        return {"archive.sealed": self.state.objects[ARCHIVE].version,
+                "manifest.json": versions[MANIFEST]}
 
 
 __all__ = [
-    "FILES", "REPLICA", "TIMERS", "MoveMarker", "Mirrored", "StagingConflict", "create_once", "lane",
-    "mirror_round", "snapshot_prefix", "stage_files", "stage_timers", "write_move_marker",
+    "ARCHIVE", "FILES", "LANDED", "MANIFEST", "PENDING", "REPLICA", "TIMERS", "TIMERS_JSON", "MirrorPlan", "Mirrored",
+    "MoveMarker", "StagedObject", "StagedSet", "Stager", "StagingConflict", "create_once", "journal_key", "lane",
+    "plan_mirror", "snapshot_prefix", "tag", "with_objects",
 ]

@@ -6,14 +6,20 @@ through the ledger **before** its effects, then runs the effects. Every effect i
 evidence is recomputable and create-only (K13), snapshots and the archive are create-only and reused, copies name
 exact versions, the claim deciders answer ``NoChange`` when the claim already holds the result. Nothing the
 worker learns survives in memory: a restarted worker (a new object) continues from the durable state.
+
+Every staging effect (the timers at ``stopped``, the final mirror at ``staged``, the archive at ``archived``) takes
+the staging-work lease first, revalidates the journaled step from a fresh read, and writes push-only under
+``SafeUntil`` (§7.3, M17; :mod:`services.source.lease`, :class:`services.source.staging.Stager`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -22,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from events.base import decode
 from events.claim import Claim
 from events.record import FilesDigest, Record
-from hostmove.ports import Clock
+from hostmove.ports import Clock, Random, SystemRandom, process_nonce
 from services.box.activator import Certificate, certificate_key
 from services.box.archive import ArchiveError, build_archive, decode_manifest, manifest_bytes, plain_digest
 from services.box.evidence import (
@@ -43,19 +49,11 @@ from services.box.timers import Timers, TimersBusy
 from services.box.timers import drain as drain_timers
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
-from services.objstore.port import Got, ObjectStore
+from services.objstore.port import Got, ObjectStore, StoreError
 from services.source import phases
+from services.source.lease import StagingStopped, StagingWork, lease_timing
 from services.source.phases import Readiness, Step, TimingProfile
-from services.source.staging import (
-    MoveMarker,
-    StagingConflict,
-    create_once,
-    mirror_round,
-    snapshot_prefix,
-    stage_files,
-    stage_timers,
-    write_move_marker,
-)
+from services.source.staging import MoveMarker, Stager, StagingConflict, create_once, snapshot_prefix
 
 log = logging.getLogger("hostmove.source")
 
@@ -83,6 +81,7 @@ class SourceBox:
     stop: Callable[[str], Awaitable[object]]
     lease: Callable[[str], Callable[[], LeaseObservation]]
     final_checkpoint: Callable[[str, Claim], Awaitable[Checkpoint]] | None = None
+    rng: Random = field(default_factory=SystemRandom)  # the staging lease holder's nonce
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,7 @@ class SourceWorker:
         self.box = box
         self.profile = profile
         self.readiness = readiness
+        self.holder = f"{box.label}/{process_nonce(box.rng)}"  # this worker's staging lease token (§7.3)
 
     # -- the loop ---------------------------------------------------------------------------------------------
 
@@ -187,6 +187,35 @@ class SourceWorker:
     async def _fresh_record(self, host: str) -> Record | None:
         return (await self.box.ledger.read_record(host)).state
 
+    async def _staging(self, step: Step, host: str, record: Record, move_id: str, incarnation: str,
+                       work: Callable[[Stager], Awaitable[StepResult]]) -> StepResult:
+        """Run ``work`` under the staging-work lease (§7.3, claim C3): take the lease, revalidate from a fresh read
+        that the journal still names ``step`` (K5), stage push-only, give the lease back. A stopped round (the
+        lease held elsewhere or lost, ``SafeUntil`` passed) does not progress; the next wake retries."""
+        box = self.box
+        assert record.move is not None
+        move = record.move
+        store, bucket = box.staging(move.to)
+        lease = StagingWork(box.deploy_store, box.deploy_bucket, box.clock, lease_timing(self.profile),
+                            region=move.to, host=host, op_id=move_id, holder=self.holder)
+        try:
+            await lease.acquire()
+            try:
+                again = phases.plan(await self._fresh_record(host), (await box.ledger.read_claim(host)).state,
+                                    source=box.label, move_id=move_id, incarnation=incarnation,
+                                    now_ms=box.clock.now_ms())
+                if (again.kind, again.phase) != (step.kind, step.phase):
+                    return StepResult(again, False, again.reason or f"the journal moved on to {again.kind}/"
+                                                                    f"{again.phase} under the staging lease")
+                stager = await Stager.open(lease, store, bucket, box.deploy_store, box.deploy_bucket, host,
+                                           move_id, move.to)
+                return await work(stager)
+            finally:
+                with contextlib.suppress(StoreError):
+                    await lease.release()
+        except StagingStopped as exc:
+            return StepResult(step, False, str(exc))
+
     # -- stopping: hold, drain, stop, evidence; then the stopped CAS records it ---------------------------------
 
     async def _stopping_then_stopped(self, step: Step, host: str, claim: Claim, move_id: str,
@@ -205,7 +234,7 @@ class SourceWorker:
         files_dir = box.files_dir(host)
 
         async def files() -> str:
-            return plain_digest(files_dir, None, host=host).plain
+            return (await asyncio.to_thread(plain_digest, files_dir, None, host=host)).plain
 
         async def timers() -> str:
             return box.timers.digest(host)
@@ -240,13 +269,16 @@ class SourceWorker:
             return StepResult(step, False, "the timers changed after the stop evidence was taken; not snapshotting")
         snap = await create_once(box.data_store, box.data_bucket, snapshot_prefix(host, move_id) + "timers.json",
                                  body)
-        store, bucket = box.staging(move.to)
-        staged = await stage_timers(store, bucket, host, move_id, body)
-        if (late := self._deadline(step, record)) is not None:
-            return late
-        versions = {"snapshot": snap or "", "staged": staged}
-        return await self._claim(step, host, "cut-exec-none", lambda c: phases.decide_exec_none(
-            c, move_id, box.label, move.source.evidence, versions))
+
+        async def stage(stager: Stager) -> StepResult:
+            staged = await stager.stage_timers(body)
+            if (late := self._deadline(step, record)) is not None:
+                return late
+            versions = {"snapshot": snap or "", "staged": staged}
+            return await self._claim(step, host, "cut-exec-none", lambda c: phases.decide_exec_none(
+                c, move_id, box.label, move.source.evidence, versions))
+
+        return await self._staging(step, host, record, move_id, move.incarnation, stage)
 
     # -- staged: the byte-final mirror and the seal ---------------------------------------------------------------
 
@@ -260,25 +292,30 @@ class SourceWorker:
         box = self.box
         assert record.move is not None and claim.holder is not None
         move = record.move
+        holder = claim.holder
         evidence = await self._evidence(move.source.evidence)
-        store, bucket = box.staging(move.to)
-        await write_move_marker(store, bucket, MoveMarker(move_id=move.id, incarnation=move.incarnation, host=host,
-                                                          from_=move.from_ or box.region, to=move.to))
-        scope = GenerationScope(claim.holder.location, claim.holder.generation)
+        scope = GenerationScope(holder.location, holder.generation)
         n = evidence.n or 0
         src_position = replication_position(await list_generation(box.data_store, box.data_bucket, scope))
-        mirrored = await mirror_round(box.data_store, box.data_bucket, scope, store, bucket, host, move_id)
-        if mirrored.max_l0 != n:
-            return StepResult(step, False, f"the mirror reached TXID {mirrored.max_l0}, not the stopped position "
-                                           f"N={n}; the round is deferred")
-        if (late := self._deadline(step, record)) is not None:
-            return late
-        timers = claim.op.journal.get("timers", {})
-        covered = src_position == n and await self._certified(claim, n)
-        seal = {"n": n, "generation": claim.holder.generation, "replica": mirrored.versions,
-                "timers": {"timers.json": timers.get("staged", "")}, "src_covered": covered, "from_db": covered,
-                "bytes": mirrored.bytes}
-        return await self._claim(step, host, "cut-seal", lambda c: phases.decide_seal(c, move_id, box.label, seal))
+
+        async def stage(stager: Stager) -> StepResult:
+            await stager.write_marker(MoveMarker(move_id=move.id, incarnation=move.incarnation, host=host,
+                                                 from_=move.from_ or box.region, to=move.to))
+            mirrored = await stager.mirror(box.data_store, box.data_bucket, scope)
+            if mirrored.max_l0 != n:
+                return StepResult(step, False, f"the mirror reached TXID {mirrored.max_l0}, not the stopped "
+                                               f"position N={n}; the round is deferred")
+            if (late := self._deadline(step, record)) is not None:
+                return late
+            timers = claim.op.journal.get("timers", {})
+            covered = src_position == n and await self._certified(claim, n)
+            seal = {"n": n, "generation": holder.generation, "replica": mirrored.versions,
+                    "timers": {"timers.json": timers.get("staged", "")}, "src_covered": covered, "from_db": covered,
+                    "bytes": mirrored.bytes}
+            return await self._claim(step, host, "cut-seal", lambda c: phases.decide_seal(c, move_id, box.label,
+                                                                                           seal))
+
+        return await self._staging(step, host, record, move_id, move.incarnation, stage)
 
     async def _certified(self, claim: Claim, n: int) -> bool:
         """Whether the holder's session closed clean at ``n``: its certificate (written by ``Activator.stop`` only
@@ -306,8 +343,9 @@ class SourceWorker:
         else:
             out = io.BytesIO()
             try:
-                manifest = build_archive(box.files_dir(host), None, out, box.target_key(move.to), host=host,
-                                         op_id=move_id, incarnation=incarnation)
+                manifest = await asyncio.to_thread(build_archive, box.files_dir(host), None, out,
+                                                   box.target_key(move.to), host=host, op_id=move_id,
+                                                   incarnation=incarnation)
             except ArchiveError as exc:
                 return StepResult(step, False, f"the files archive was refused: {exc}")
             await create_once(box.data_store, box.data_bucket, prefix + f"archive-{manifest.sealed}.sealed",
@@ -317,18 +355,23 @@ class SourceWorker:
         head = await box.data_store.head(box.data_bucket, archive_key)
         if not isinstance(head, Got) or head.version_id is None:
             return StepResult(step, False, f"the archive {archive_key} named by its manifest is missing")
-        store, bucket = box.staging(move.to)
-        files = await stage_files(store, bucket, host, move_id, src_bucket=box.data_bucket, archive_key=archive_key,
-                                  archive_version=head.version_id, manifest=manifest_bytes(manifest))
-        if (late := self._deadline(step, record)) is not None:
-            return late
-        digest = manifest.files_digest()
-        out1 = await self._record(step, host, "cut-archive-digests", lambda r: phases.decide_files_digest(
-            r, move_id, incarnation, digest, box.clock.now_ms()))
-        if not out1.progressed:
-            return out1
-        return await self._claim(step, host, "cut-sealed", lambda c: phases.decide_sealed(
-            c, move_id, box.label, files))
+        archive_version = head.version_id
+
+        async def stage(stager: Stager) -> StepResult:
+            files = await stager.stage_files(src_bucket=box.data_bucket, archive_key=archive_key,
+                                             archive_version=archive_version, manifest=manifest_bytes(manifest))
+            if (late := self._deadline(step, record)) is not None:
+                return late
+            digest = manifest.files_digest()
+            out1 = await self._record(step, host, "cut-archive-digests", lambda r: phases.decide_files_digest(
+                r, move_id, incarnation, digest, box.clock.now_ms()))
+            if not out1.progressed:
+                return out1
+            # The lane's seal bound (§6.4 evidence_at): no staging writer can sign after seal time + lease TTL.
+            return await self._claim(step, host, "cut-sealed", lambda c: phases.decide_sealed(
+                c, move_id, box.label, files, staging_bound=box.clock.now_ms() + self.profile.staging_lease_ttl_ms))
+
+        return await self._staging(step, host, record, move_id, incarnation, stage)
 
     # -- the claim follows the flip ---------------------------------------------------------------------------------
 
