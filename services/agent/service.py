@@ -264,7 +264,7 @@ class BoxAgent:
                 steps.append(await self.target.step(host, stage, record, claim, from_region or self.cfg.region))
             for s in steps:
                 out.did.append(f"{stage}: " + (s.stop or s.wait or ("progressed" if s.progressed else "idle")))
-            if any(s.progressed for s in steps):
+            if any(s.progressed or s.closed for s in steps):
                 continue
             wakes = [s.wake_at for s in steps if s.wake_at is not None]
             if wakes:

@@ -1,114 +1,34 @@
-"""One move from request to close, by stepping the real runners in order (spec §7.1-§7.9; issue 4).
+"""One move from request to close, by stepping both boxes' runners in one loop (spec §7.1-§7.9; issue 4).
 
-:func:`run_move` is the glue the end-to-end test and the demo share: the door's request (§7.1), the source's
-preparing rounds (§7.3) with the target's readiness report beside them, the cut from ``requested`` to the flip
-(§7.4, §7.5), the landing from ``checking`` to commit and open (§7.6-§7.9 steps 1-2), and the finalization: both
-parks and the close (§7.9 steps 3-5). It holds no state of its own: every pass re-reads the record and the claim
-and hands them to the runner the record's ``move.state`` names, and each runner re-reads again before it writes
-(ARCHITECTURE §5). A run that stops answers a :class:`MoveOutcome` saying where and why, never an exception for a
-race or a refusal (store and bus failures still raise: a read error never acts, C6).
-
-Seams adapted here rather than in the runners (each is a change proposed to the module's owner):
-
-- **T5 before the cut.** The target's readiness check T5 needs a staged files archive, but preparing rounds do
-  not build one (``services/source/preparing.py``: "the files archive of each round (built at the cut)"). So
-  each preparing pass here stages the round's archive in the lane's ``files/`` (§7.3 "each round ... files"),
-  sealed to the target region's key. The cut builds and stages its own archive afterwards, and the seal names
-  the cut's versions only, so the landing never reads this one. The cut's ``stage_files`` writes
-  ``files/manifest.json`` create-only, so the round's objects are withdrawn (by exact version) before the cut
-  reaches ``archived``: :meth:`MoveRun.withdraw_round_archive`.
+:func:`run_move` drives a move in one process, for the end-to-end tests, the protocol audit's tests and
+``bench/move``: the door's request (§7.1), then each pass reads the record and the claim and takes the source's
+step and the target's step for the stage they say (:mod:`services.move.sides`, the same runners each box's agent
+takes on events, :mod:`services.agent.service`). It holds no state of its own, so a run after a crash reads
+everything again (ARCHITECTURE §5). A run that stops answers a :class:`MoveOutcome` saying where and why, never an
+exception for a race or a refusal (store and bus failures still raise: a read error never acts, C6).
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
-
-from bus.log import EventLog
-from events.claim import Claim
-from events.record import Record
-from services.box.activator import Activator, BoxContext
-from services.box.archive import ArchiveError, build_archive, manifest_bytes
-from services.box.evidence import LeaseObservation, lease_file_check
-from services.box.sealing import PrivateKey
-from services.box.timers import Timers
-from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import CutMode, MoveRequest
-from services.move import park as parking
-from services.move.finalize import Finalizer, LocalRetirement
-from services.objstore.port import ObjectStore
-from services.source import phases as source_phases
-from services.source.phases import TimingProfile
-from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
-from services.source.staging import lane
-from services.source.worker import SourceBox, SourceWorker
-from services.target.readiness import BoxFacts, report_readiness
-from services.target.worker import LandingWorker
+from services.move.sides import (
+    FAST,
+    STAGES,
+    Deployment,
+    SourceRunners,
+    SourceSide,
+    Stage,
+    TargetRunners,
+    TargetSide,
+    Timings,
+    stage_of,
+)
 
 log = logging.getLogger("hostmove.move.e2e")
-
-Stage = Literal["request", "preparing", "cutting", "landing", "opening", "finalizing", "done"]
-STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "finalizing", "done")
-
-
-@dataclass(frozen=True)
-class Timings:
-    """The timing profiles of one run (ARCHITECTURE §7): FAST for tests and the demo. ``source`` is the cut's
-    and the preparing rounds' profile; ``park`` sets the late-completion horizon the parks wait out before
-    acknowledging (§6.4); the probe's timing is the target box's own (``TargetBox.probe_timing``). ``within_s``
-    and ``max_passes`` bound the whole run; ``poll_s`` paces preparing passes that found the target not ready."""
-
-    source: TimingProfile = source_phases.FAST
-    park: parking.ParkTiming = parking.FAST
-    within_s: float = 120.0
-    poll_s: float = 0.2
-    max_passes: int = 60
-
-
-FAST = Timings()
-ROUND_ARCHIVE_PHASES = frozenset({"", "requested", "admitted", "stopping", "stopped", "staged"})
-
-
-@dataclass(frozen=True)
-class SourceSide:
-    """The source box as its agent holds it: the activator's context (registry, tree, stores, clock), the
-    activator that runs the instance (its ``stop`` is the cut's stop and final sync), the box's timers, its
-    copy of the deployment's secrets key (launch-report MACs, §7.3) and what its next spawn would get."""
-
-    ctx: BoxContext
-    activator: Activator
-    timers: Timers
-    secrets_key: PrivateKey
-    launch: Callable[[str], Awaitable[LaunchInputs]]
-    ready_url: Callable[[str], str | None]
-    recovery_armed: Callable[[str], bool] = lambda host: True
-
-
-@dataclass(frozen=True)
-class TargetSide:
-    """The target box: its landing worker (the ``TargetBox`` inside holds the stores, registry, stamps, timers,
-    key and the probe factory) and what it knows of itself for the readiness report (T1-T3, T7, T8, T11, T13)."""
-
-    worker: LandingWorker
-    facts: BoxFacts
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """What both sides share: the door, the ledger's stores, a region's data store and bucket, and each region's
-    public secrets key (the archive is sealed to the target's, §8)."""
-
-    door: Door
-    regions: Callable[[str], tuple[ObjectStore, str]]
-    region_key: Callable[[str], EllipticCurvePublicKey]
-    events: EventLog | None = None
 
 
 @dataclass(frozen=True)
@@ -130,141 +50,16 @@ class MoveOutcome:
     passes: int = 0
 
 
-def _stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[Stage, str]:
-    """Where the move stands, from the fresh record and claim alone."""
-    if record is None:
-        return "request", "the host has no record"
-    if record.move is None:
-        last = record.last_move
-        if last is not None and last.id == move_id:
-            if last.outcome != "done":
-                return "done", f"the move ended {last.outcome}, not done"
-            if claim is not None and claim.op.kind == "serving":
-                return "done", ""
-            return "finalizing", "the record is closed; the claim's release is next"
-        return "request", "the record holds no move"
-    move = record.move
-    if move.id != move_id:
-        return "request", f"the record holds another move {move.id}"
-    if move.state in ("preparing", "ready"):
-        return "preparing", ""
-    if move.state == "cutting":
-        return "cutting", ""
-    if move.state == "landing":
-        return "landing", ""
-    if move.state == "committed":
-        return ("finalizing", "") if move.opened_at is not None else ("opening", "")
-    return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
-
-
 class MoveRun:
-    """The runners of one move, built once from the two sides; :meth:`run` steps them (see the module doc)."""
+    """Both sides' runners of one move, built once; :meth:`run` and :meth:`drive` step them (see the module doc)."""
 
     def __init__(self, deployment: Deployment, source: SourceSide, target: TargetSide,
                  timings: Timings = FAST) -> None:
         self.d, self.source, self.target, self.t = deployment, source, target, timings
-        ctx = source.ctx
-        self.clock = ctx.clock  # time only through the Clock port (ARCHITECTURE §7)
-        ledger = deployment.door.ledger
-        self.ledger = ledger
-        self.prep = PreparingRunner(PreparingBox(
-            label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
-            data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
-            secrets_key=source.secrets_key, tree=ctx.tree, clock=ctx.clock, files_dir=ctx.files_dir,
-            db_path=ctx.db_path, launch=source.launch, ready_url=source.ready_url,
-            recovery_armed=source.recovery_armed,
-        ), timings.source)
-        self.cut = SourceWorker(SourceBox(
-            label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
-            data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
-            target_key=deployment.region_key, registry=ctx.registry, timers=source.timers, tree=ctx.tree,
-            clock=ctx.clock, files_dir=ctx.files_dir, db_path=ctx.db_path, stop=source.activator.stop,
-            lease=self._lease,
-        ), timings.source, self.prep.readiness)
-        tbox = target.worker.box
-
-        self.source_final = Finalizer(
-            ctx.label, ledger, parking.Parker(ctx.data_store, ctx.data_bucket, ctx.clock, timing=timings.park),
-            events=deployment.events,
-            local_retire=self._local_retire)
-        self.target_final = Finalizer(
-            tbox.label, ledger, parking.Parker(tbox.data_store, tbox.data_bucket, tbox.clock, timing=timings.park),
-            events=deployment.events)
-
-    async def _local_retire(self, host: str, move_id: str) -> object:
-        """The source's local park (§6.4 "Local retirement"), bound to the host's fresh claim read."""
-        ctx, ledger = self.source.ctx, self.ledger
-
-        async def read_claim() -> Claim | None:
-            return (await ledger.read_claim(host)).state
-
-        return await LocalRetirement(ctx.box_dir, ctx.stamps, ctx.registry, self.source.timers, read_claim,
-                                     ctx.clock)(host, move_id)
-
-    def _lease(self, host: str) -> Callable[[], LeaseObservation]:
-        """§5.3 step 4: the instance's lease file beside its files; the sample app holds none, so it reads as
-        released (absent), and a lease an app did leave is honoured."""
-        return lease_file_check(self.source.ctx.data_dir / f"{host}.lease.json", self.source.ctx.clock, 1_000)
-
-    async def stage_round_archive(self, host: str, record: Record) -> str:
-        """The preparing round's files archive in the lane's ``files/`` (the T5 seam in the module doc): sealed
-        to the target region's key, rewritten each round. Answers why not when the files cannot be archived."""
-        assert record.move is not None
-        move = record.move
-        ctx = self.source.ctx
-        out = io.BytesIO()
-        try:
-            manifest = await asyncio.to_thread(
-                build_archive, ctx.files_dir(host), None, out, self.d.region_key(move.to), host=host, op_id=move.id,
-                incarnation=move.incarnation)
-        except ArchiveError as exc:
-            return f"the files beside the database cannot move: {exc}"
-        store, bucket = self.d.regions(move.to)
-        prefix = lane(host, move.id) + "files/"
-        await store.put(bucket, prefix + "archive.sealed", out.getvalue())
-        await store.put(bucket, prefix + "manifest.json", manifest_bytes(manifest))
-        return ""
-
-    async def withdraw_round_archive(self, host: str, record: Record) -> int:
-        """Delete, by exact version, what the rounds staged under the lane's ``files/`` while the cut has not
-        reached ``archived`` (before it, ``files/`` holds only rounds' archives): the cut's ``stage_files`` writes
-        ``files/manifest.json`` create-only and would refuse a round's manifest (the seam in the module doc).
-        Answers how many versions were deleted."""
-        assert record.move is not None
-        move = record.move
-        store, bucket = self.d.regions(move.to)
-        prefix = lane(host, move.id) + "files/"
-        versions = await store.list_versions(bucket, prefix)
-        for v in versions:
-            await store.delete(bucket, v.key, version_id=v.version_id)
-        return len(versions)
-
-    async def report_target(self, host: str) -> str:
-        """The target's readiness report for this move (§7.3), written to ``target.json``."""
-        tbox = self.target.worker.box
-        ctx = self.source.ctx
-        report = await report_readiness(
-            ledger=tbox.ledger, data_store=tbox.data_store, data_bucket=tbox.data_bucket, source_store=ctx.data_store,
-            source_bucket=ctx.data_bucket, box=tbox.label, region=tbox.region, box_dir=tbox.box_dir,
-            private_key=tbox.private_key, facts=self.target.facts, host=host, clock=tbox.clock)
-        if report is None:
-            return "the record carries no move to the target's region"
-        if not report.ready:
-            return "the target is not ready: " + "; ".join(f"{c.check} {c.detail}".strip() for c in report.failing())
-        return ""
-
-    async def _finalize(self, host: str, move_id: str) -> tuple[bool, str, int | None]:
-        """§7.9 steps 3-5: the source's park, the target's staging park, then the close (either finalizer closes
-        once both obligations are acknowledged). Answers (closed, why not, wake_at)."""
-        src = await self.source_final.source_park(host, move_id)
-        tgt = await self.target_final.staging_park(host, move_id)
-        if tgt.done and tgt.reason.startswith("closed"):
-            return True, "", None
-        if src.done and src.reason.startswith("closed"):
-            return True, "", None
-        waits = [w for w in (src.wake_at, tgt.wake_at) if w is not None]
-        why = "; ".join(r for r in (src.reason, tgt.reason) if r)
-        return False, why, min(waits) if waits else None
+        self.clock = source.ctx.clock  # time only through the Clock port (ARCHITECTURE §7)
+        self.ledger = deployment.door.ledger
+        self.src = SourceRunners(deployment, source, timings)
+        self.tgt = TargetRunners(deployment, target, timings)
 
     async def run(self, host: str, *, to: str, cut: CutMode = "auto", who: Identity | None = None) -> MoveOutcome:
         """Request the move at the door, then step it to its close (or until it stops; see :class:`MoveOutcome`)."""
@@ -292,7 +87,7 @@ class MoveRun:
             passes += 1
             record = (await self.ledger.read_record(host)).state
             claim = (await self.ledger.read_claim(host)).state
-            stage, stop = _stage_of(record, claim, move_id)
+            stage, stop = stage_of(record, claim, move_id)
             marks.setdefault(stage, self.clock.monotonic())
             log.info("move pass", extra={"host": host, "op": move_id, "stage": stage, "pass": passes})
             if stage == "done" or (stage == "request" and stop):
@@ -302,44 +97,30 @@ class MoveRun:
                 reason = f"the move did not finish within {self.t.within_s:g} s; it stopped at {stage}"
                 break
             assert record is not None
-            move = record.move
-            if stage == "finalizing" or move is None:
-                closed, why, wake_at = await self._finalize(host, move_id)
-                if not closed and wake_at is not None:  # a park waits out its horizon (§6.4): wake then
-                    wait_s = max(0.0, (wake_at - self.clock.now_ms()) / 1000)
+            src = await self.src.step(host, stage, record, claim)
+            if src.stop:
+                reason = src.stop
+                break
+            if src.closed:
+                continue
+            from_region = record.move.from_ if record.move is not None else ""
+            tgt = await self.tgt.step(host, stage, record, claim, from_region or self.source.ctx.region)
+            if tgt.stop:
+                reason = tgt.stop
+                break
+            if tgt.closed:
+                continue
+            if stage == "finalizing":
+                wakes = [w for w in (src.wake_at, tgt.wake_at) if w is not None]
+                why = "; ".join(r for r in (src.wait, tgt.wait) if r)
+                if wakes:  # a park waits out its horizon (§6.4): wake then
+                    wait_s = max(0.0, (min(wakes) - self.clock.now_ms()) / 1000)
                     await self.clock.sleep(min(wait_s, max(0.0, deadline - self.clock.monotonic())))
-                elif not closed and why and "waiting" not in why:
+                elif why and "waiting" not in why:
                     reason = why
                     break
-            elif stage == "preparing":
-                result = await self.prep.run(host, move_id, move.incarnation)
-                if result.step.kind == "blocked":
-                    reason = result.reason
-                    break
-                if result.state == "ready" and move.cut != "auto":
-                    reason = result.reason or "the move is ready and waits for the operator's cut"
-                    break
-                if result.state == "preparing":  # the target's side of the round: its archive and report
-                    reason = (await self.stage_round_archive(host, record) or await self.report_target(host)
-                              or result.reason)
-                    if reason:  # not ready yet: poll again shortly rather than spin
-                        await self.clock.sleep(self.t.poll_s)
-            elif stage == "cutting":
-                if move.cut_phase in ROUND_ARCHIVE_PHASES:
-                    await self.withdraw_round_archive(host, record)
-                out = await self.cut.run(host, move_id, move.incarnation)
-                if out.step.kind in ("blocked", "deadline") or (out.step.kind == "idle" and out.reason):
-                    fresh = (await self.ledger.read_record(host)).state
-                    if fresh is None or fresh.move is None or fresh.move.state == "cutting":
-                        reason = out.reason
-                        break
-            elif stage in ("landing", "opening"):
-                if claim is not None and claim.op.kind == "moving":
-                    await self.cut.run(host, move_id, move.incarnation)  # the claim follows the flip
-                step = await self.target.worker.run(host)
-                if step.outcome in ("blocked", "rolled_back", "stopped"):
-                    reason = step.detail
-                    break
+            elif stage == "preparing" and (src.wait or tgt.wait):  # not ready yet: poll again shortly
+                await self.clock.sleep(self.t.poll_s)
         else:
             reason = f"the move took more than {self.t.max_passes} passes; it stopped at {stage}"
         return await self._outcome(host, move_id, stage, reason, started, marks, passes)

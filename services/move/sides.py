@@ -155,7 +155,7 @@ class SourceRunners:
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
             secrets_key=source.secrets_key, tree=ctx.tree, clock=ctx.clock, files_dir=ctx.files_dir,
             db_path=ctx.db_path, launch=source.launch, ready_url=source.ready_url,
-            recovery_armed=source.recovery_armed,
+            recovery_armed=source.recovery_armed, target_key=deployment.region_key,
         ), timings.source)
         self.cut = SourceWorker(SourceBox(
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
@@ -195,7 +195,7 @@ class SourceRunners:
                 return SideStep(stop=result.reason)
             if result.state == "ready" and move.cut != "auto":
                 return SideStep(stop=result.reason or "the move is ready and waits for the operator's cut")
-            return SideStep(wait=result.reason or "the round is staged; waiting for readiness")
+            return SideStep(wait=result.reason)
         if stage == "cutting" and move is not None:
             out = await self.cut.run(host, move.id, move.incarnation)
             if out.step.kind in ("blocked", "deadline") or (out.step.kind == "idle" and out.reason):
@@ -251,9 +251,8 @@ class TargetRunners:
     async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None,
                    source_region: str) -> SideStep:
         move = record.move
-        if stage == "preparing":
-            why = await self.report(host, source_region)
-            return SideStep(wait=why or "reported ready")
+        if stage == "preparing":  # "" : reported ready
+            return SideStep(wait=await self.report(host, source_region))
         if stage in ("landing", "opening"):
             step = await self.side.worker.run(host)
             if step.outcome in ("blocked", "rolled_back", "stopped"):
