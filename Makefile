@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep
+.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ sim-baseline: $(STAMP)
 
 sim-sweep: $(STAMP)
 	$(BIN)/hostmove sim sweep --seeds $(SEEDS)
+
+# The crash matrix at every named failpoint of a move (SIGKILL, restart, converge); `make test` runs a spread.
+crash-matrix: $(STAMP)
+	HOSTMOVE_CRASH_MATRIX=full $(BIN)/python -m pytest -q tests/test_crash_matrix.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

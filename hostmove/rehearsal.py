@@ -25,9 +25,10 @@ from moveprobe.acks import Ack, RowAck, TickAck, TimerAck, missing_from_db, read
 from services.objstore.port import ObjectStore
 
 ONCE_TIMER = "once"
-LIVE_EXEMPT = ("superseded/", "move-receipts/")
-"""Where a region keeps retired copies and receipts on purpose (§6.4 parks, §7.3 receipts; removed by the
-residency cleanup, §16 F3): not a live namespace."""
+LIVE_EXEMPT = ("superseded/", "move-receipts/", "move-snapshots/")
+"""Where a region keeps retired copies, receipts and a completed move's snapshots on purpose (§6.4 parks, §7.3
+receipts, ruling K19 "F3's retention of snapshots covers completed moves"; all removed by the residency cleanup,
+§16 F3 after the hold of M7): not a live namespace."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ async def no_live_copy(store: ObjectStore, bucket: str, host: str, *, local: Seq
     return Check("no copy remains in a live namespace of the region it left", ok, detail)
 
 
+def ack_logs(acks_dir: Path, host: str, regions: Sequence[str]) -> list[Path]:
+    """The acknowledgement logs of ``host``'s instances: the first box's ``<host>.jsonl`` and each later box's
+    ``<host>.<region>.jsonl`` (the forked worker's heartbeats beside them are not acknowledgements)."""
+    return [acks_dir / f"{host}.jsonl", *(acks_dir / f"{host}.{r}.jsonl" for r in regions)]
+
+
 async def cut_at(events: EventLog, host: str) -> int | None:
     """When the host's move was cut (the record's ``cut_at``), from its history on the stream."""
     async for m in events.replay(LEDGER_STREAM, subject=ledger_subject("record", host)):
@@ -137,4 +144,4 @@ async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, 
     ]
 
 
-__all__ = ["Check", "checks", "cut_at", "key_verifies", "no_live_copy", "nothing_missing", "timers_once"]
+__all__ = ["Check", "ack_logs", "checks", "cut_at", "key_verifies", "no_live_copy", "nothing_missing", "timers_once"]

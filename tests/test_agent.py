@@ -18,7 +18,7 @@ from bus.nats_log import NatsEventLog
 from events.ids import new_incarnation
 from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import post_write
-from hostmove.rehearsal import checks
+from hostmove.rehearsal import ack_logs, checks
 from hostmove.stackinfo import StackInfo
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
@@ -104,7 +104,7 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str) -> None:
     assert await asyncio.to_thread(post_write, port, "after the move") > 0
     shown = await checks(
         events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir("uk") / "data" / f"{host}.db",
-        ack_logs=sorted((w.root / "acks").glob(f"{host}*.jsonl")), left_bucket=f"{w.prefix}-ie",
+        ack_logs=ack_logs(w.root / "acks", host, ["uk"]), left_bucket=f"{w.prefix}-ie",
         left_local=[w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host],
         once_after_ms=ONCE_AFTER_MS)
     assert all(c.ok for c in shown), [c.line() for c in shown]
