@@ -1,119 +1,144 @@
-"""The demo's main job: a real move of a running instance from ``ie-1`` to ``uk-1`` (issue 4).
+"""The demo's main job: a real move of a running instance from ``ie-1`` to ``uk-1``, carried out by services
+(issue 4 item 8; spec §14.4).
 
-Everything is real: the instance is the sample app ``moveprobe`` in a cgroup v2 leaf on ``ie-1``, its
-database replicates into the ``ie`` bucket, the door records the request, the source's preparing rounds
-and cut stage it into the ``uk`` bucket, the target lands, probes and commits it, both parks retire the
-superseded copies by exact version, and the claim is released to ``serving`` on ``uk-1``. This process
-acts as both boxes' agents (the embedded default runs every service in one OS process).
+The console services (the door, the recovery pass) and one agent per box (``hostmove serve box``) run as their
+own OS processes, as in production; this process only acts as the operator and the dashboard:
+
+1. it creates ``moveprobe`` on ``ie-1`` through the door; the ``ie-1`` agent admits and starts it in a cgroup
+   v2 leaf, replicating into the ``ie`` bucket; it writes continuously (a background row every 0.2 s, its
+   schedule every 0.4 s, its once-timer due 4 s after its first boot) and takes 20 writes from us;
+2. it runs ``hostmove move --host H --to uk`` (the CLI, against the door's HTTP API) and shows its live
+   progress: the agents do the rest on ledger events (rounds, cut, landing, probe, commit, open, parks, close);
+3. it prints the move's timings and the checks of §14.4 (:mod:`hostmove.rehearsal`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
-import tempfile
-from pathlib import Path
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
-from events.ids import new_incarnation
-from hostmove.probe_apps import ProbeApps, post_write
+import aiohttp
+
+from hostmove import move_cli
+from hostmove.ports import WallClock
+from hostmove.probe_apps import free_port, post_write
+from hostmove.procs import ServiceProc, service_env
+from hostmove.rehearsal import Check, ack_logs, checks
 from hostmove.runtime import Runtime
-from moveprobe.acks import RowAck, missing_from_db, read_acks
-from moveprobe.config import probe_env
-from services.box.activator import Activator, AppSpec, BoxContext, Started
-from services.box.agentcg import box_session
+from hostmove.stackinfo import StackInfo
+from services.agent.config import region_bucket
+from services.agent.service import read_endpoint
 from services.box.proctree import CgroupTree
-from services.box.registry import Registry, RouteRow
 from services.box.roster import BoxInit
-from services.box.sealing import load_private_key, secrets_key_fp
-from services.box.stamps import StampBook
-from services.box.timers import Timers
-from services.door.api import Door
-from services.hosts.create import create_host
-from services.ledger import Committed
-from services.move.e2e import Deployment, MoveOutcome, SourceSide, TargetSide, run_move
-from services.source.preparing import LaunchInputs
-from services.target.budget import Rates
-from services.target.probe import FAST as PROBE_FAST
-from services.target.readiness import BoxFacts
-from services.target.worker import LandingWorker, TargetBox
+from services.door.auth import token_digest
+
+T = TypeVar("T")
+APP = {"MOVEPROBE_INTERVAL_S": "0.2", "MOVEPROBE_SCHEDULE_EVERY_S": "0.4", "MOVEPROBE_ONCE_AFTER_S": "4"}
+ONCE_AFTER_MS = 4000
+WRITES = 20
 
 
-async def move_demo(rt: Runtime, ie: BoxInit, uk: BoxInit, say: object) -> MoveOutcome | str:
-    """Create, wake, write, move. Answers the outcome, or why this machine cannot run it."""
-    out = say  # the caller's printer
-    assert callable(out)
-    clock, store, ledger = rt.clock, rt.store, rt.ledger
-    tree = CgroupTree.discover(ie.label, clock=clock, journal=ie.box_dir / "spawns")
-    ok, why = tree.strict_available()
+@dataclass(frozen=True)
+class Shown:
+    """What the demo's move showed: the host, its move, the status lines and the §14.4 checks."""
+
+    host: str
+    move_id: str
+    status: list[str]
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.move_id) and all(c.ok for c in self.checks)
+
+
+async def _until(check: Callable[[], T | None], what: str, timeout_s: float) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:g} s")
+        await asyncio.sleep(0.1)
+
+
+async def _door_up(url: str, proc: ServiceProc, timeout_s: float = 30.0) -> None:
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                async with session.get(f"{url}/openapi.json", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            if not proc.alive() or time.monotonic() > deadline:
+                raise TimeoutError(f"the door did not come up: {proc.output()[-500:]}")
+            await asyncio.sleep(0.1)
+
+
+async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out: Callable[[str], None]) -> Shown | str:
+    """Start the services, create, write, move, check. Answers what it showed, or why this machine cannot run it."""
+    root = rt.settings.root
+    ok, why = CgroupTree.discover(ie.label, clock=rt.clock).strict_available()
     if not ok:
         return f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"
-    buckets = {"ie": "hostmove-data-ie", "uk": "hostmove-data-uk"}
-    for bucket in buckets.values():
-        await store.create_bucket(bucket, versioned=True)
-    src_key, tgt_key = load_private_key(ie.box_dir / "secrets.pem"), load_private_key(uk.box_dir / "secrets.pem")
-    acks = Path(tempfile.mkdtemp(prefix="hostmove-demo-acks-"))
-    host = f"shop-{rt.rng.token_bytes(3).hex()}.example.com"
-    with box_session(tree) as home:
-        ctx = BoxContext(label=ie.label, region="ie", box_dir=ie.box_dir, data_bucket=buckets["ie"], data_store=store,
-                         ledger=ledger, tree=tree, registry=Registry.open(ie.box_dir, clock),
-                         stamps=StampBook.open(ie.box_dir, clock), clock=clock, rng=rt.rng)
+    for box in (ie, uk):
+        await rt.store.create_bucket(region_bucket(box.region), versioned=True)
+    token = rt.rng.token_bytes(32).hex()
+    env = service_env(info, root=root, bucket=rt.settings.bucket, extra={
+        "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"demo={token_digest(token)}", **APP})
+    door_url = f"http://127.0.0.1:{free_port()}"
+    logs = root / "logs"
+    procs = [ServiceProc.serve("door", env, logs / "door.log", "--port", door_url.rsplit(":", 1)[1]),
+             ServiceProc.serve("recovery", env, logs / "recovery.log")]
+    procs += [ServiceProc.serve("box", env, logs / f"box-{b.label}.log", "--label", b.label) for b in (ie, uk)]
+    for proc in procs:
+        proc.start()
+    out(f"   services up: door at {door_url}, recovery, and the agents of {ie.label} and {uk.label} "
+        f"(logs in {logs}/)")
+    try:
+        return await _run(rt, ie, uk, door_url, token, procs[0], out)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
-        def env(h: str, data_dir: Path, port: int, region: str) -> dict[str, str]:
-            return probe_env(data_dir=data_dir, host=h, region=region, ack_log=acks / f"{h}.jsonl", port=port,
-                             interval_s=3600)
 
-        activator = Activator(ctx, AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=20))
-        src_timers = Timers.open(ie.box_dir, clock)
-        apps = ProbeApps(home, acks)
-        tbox = TargetBox(label=uk.label, region="uk", box_dir=uk.box_dir, data_store=store, data_bucket=buckets["uk"],
-                         ledger=ledger, registry=Registry.open(uk.box_dir, clock),
-                         stamps=StampBook.open(uk.box_dir, clock), timers=Timers.open(uk.box_dir, clock),
-                         clock=clock, rng=rt.rng, private_key=tgt_key, probe_factory=apps.factory,
-                         probe_timing=PROBE_FAST, sync_interval_s=0.2)
-        landing = LandingWorker(tbox)
-        try:
-            incarnation = new_incarnation(rt.rng)
-            created = await create_host(ledger, host, box=ie.label, region="ie", incarnation=incarnation,
-                                        causation="demo")
-            if not isinstance(created, Committed):
-                return f"{host} was not created: {created}"
-            ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=incarnation))
-            started = await activator.wake(host)
-            if not isinstance(started, Started):
-                return f"{host} did not start on {ie.label}: {started}"
-            out(f"   {host} serves on {ie.label}: moveprobe pid {started.pid} in a cgroup v2 leaf, "
-                f"session {started.session}, replicating into s3://{buckets['ie']}/")
-            seqs = [await asyncio.to_thread(post_write, started.port, f"order-{i}") for i in range(20)]
-            out(f"   20 acknowledged writes (seq {seqs[0]}..{seqs[-1]})")
-
-            async def launch(h: str) -> LaunchInputs:
-                return LaunchInputs(env={"MOVEPROBE_HOST": h}, bundle_etags={"app": '"demo"'}, release="demo-1")
-
-            source = SourceSide(ctx=ctx, activator=activator, timers=src_timers, secrets_key=src_key, launch=launch,
-                                ready_url=lambda h: f"http://127.0.0.1:{started.port}/ready")
-            facts = BoxFacts(protocol=1, console_secrets_key_fp=secrets_key_fp(src_key), rates=Rates(10, 250, 500),
-                             environment_matches=True, release_staged=True, hosting_boxes=(uk.label,),
-                             landing_armed=True, rollback_target_armed=True)
-            regions = {"ie": (store, buckets["ie"]), "uk": (store, buckets["uk"])}
-            deployment = Deployment(door=Door(ledger, clock=clock, rng=rt.rng), regions=regions.__getitem__,
-                                    region_key=lambda r: tgt_key.public_key(), events=rt.events)
-            out(f"   moving {host} from ie to uk (cut: auto) ...")
-            outcome = await run_move(host, to="uk", deployment=deployment, source=source,
-                                     target=TargetSide(landing, facts))
-            if outcome.ok:
-                acked = read_acks(acks / f"{host}.jsonl")
-                missing = missing_from_db(tbox.db_path(host), acked)
-                rows = sum(isinstance(a, RowAck) for a in acked)
-                out(f"   {len(missing)} of {rows} acknowledged writes missing on {uk.label}")
-                if missing:
-                    return f"{len(missing)} acknowledged writes are missing on {uk.label}"
-                after = await asyncio.to_thread(post_write, apps.ports[host], "written on uk")
-                out(f"   {host} takes writes on {uk.label} (seq {after})")
-            return outcome
-        finally:
-            await activator.close()
-            for running in list(landing.running.values()):
-                await running.stop()
-            await apps.stop_all()
-            for closable in (ctx.registry, ctx.stamps, src_timers, tbox.registry, tbox.stamps, tbox.timers):
-                closable.close()
+async def _run(rt: Runtime, ie: BoxInit, uk: BoxInit, door_url: str, token: str, door_proc: ServiceProc,
+               out: Callable[[str], None]) -> Shown | str:
+    async with aiohttp.ClientSession() as session:
+        door = move_cli.DoorClient(move_cli.DoorConfig(door_url, token), session)
+        await _door_up(door_url, door_proc)
+        host = f"shop-{rt.rng.token_bytes(3).hex()}.example.com"
+        created = await door.create(host, ie.label)
+        if not created.ok:
+            return f"{host} was not created: {created.reason}"
+        port = await _until(lambda: read_endpoint(ie.box_dir, host), f"{host} serving on {ie.label}", 60)
+        out(f"   {host} serves on {ie.label} (moveprobe in a cgroup v2 leaf, replicating into "
+            f"s3://{region_bucket(ie.region)}/), writing a background row every 0.2 s")
+        seqs = [await asyncio.to_thread(post_write, port, f"order-{i}") for i in range(WRITES)]
+        out(f"   {WRITES} acknowledged writes (seq {seqs[0]}..{seqs[-1]}); now: hostmove move --host {host} "
+            f"--to {uk.region}")
+        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=True, timeout=180.0, interval=0.3,
+                                  move_action=None)
+        code = await move_cli.run(args, environ={move_cli.ENV_URL: door_url, move_cli.ENV_TOKEN: token})
+        if code != move_cli.EXIT_DONE:
+            return f"the move ended with exit code {code}"
+        record = (await rt.ledger.read_record(host)).state
+        move_id = record.last_move.id if record is not None and record.last_move is not None else ""
+        status = await door.status(host)
+        lines = move_cli.status_lines(status.body, WallClock().now_ms()) if status.ok else [status.reason]
+    new_port = await _until(lambda: read_endpoint(uk.box_dir, host), f"{host} serving on {uk.label}", 30)
+    after = await asyncio.to_thread(post_write, new_port, "written on uk")
+    out(f"   {host} takes writes on {uk.label} (seq {after})")
+    root = rt.settings.root
+    shown = await checks(
+        events=rt.events, store=rt.store, host=host, port=new_port, target_db=uk.box_dir / "data" / f"{host}.db",
+        ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(ie.region),
+        left_local=[ie.box_dir / "data" / f"{host}.db", ie.box_dir / "data" / host], once_after_ms=ONCE_AFTER_MS)
+    return Shown(host, move_id, lines, shown)

@@ -104,10 +104,10 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str) -> None:
     assert await asyncio.to_thread(post_write, port, "after the move") > 0
     shown = await checks(
         events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir("uk") / "data" / f"{host}.db",
-        ack_logs=ack_logs(w.root / "acks", host, ["uk"]), left_bucket=f"{w.prefix}-ie",
+        ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]}), left_bucket=f"{w.prefix}-ie",
         left_local=[w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host],
         once_after_ms=ONCE_AFTER_MS)
-    assert all(c.ok for c in shown), [c.line() for c in shown]
+    assert all(c.ok for c in shown), "\n".join(c.line() for c in shown)
     assert read_endpoint(w.box_dir("ie"), host) is None
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]

@@ -38,7 +38,7 @@ from services.box.replica.replicator import Replicator
 from services.box.replica.restore import restore_generation
 from services.box.sealing import generate_private_key, secrets_key_fp
 from services.box.stamps import StampBook
-from services.box.timers import Timers, TimerSpec
+from services.box.timers import TimerRow, Timers, TimerSpec
 from services.ledger import Committed, Ledger, NoChange, Refusal
 from services.ledger.ledger import Crash
 from services.objstore.port import Got, Won
@@ -625,7 +625,10 @@ async def stage(w: World, host: str, *, now: int, cut_s: float = 120, seal_txid_
         return res.version_id
 
     timers = Timers.open(src, WallClock())
-    timers.replace_timers(host, [TimerSpec(name="tick", every_ms=60_000, payload="p")])
+    # a schedule, and a once-timer the source already delivered: its bookkeeping travels with the snapshot
+    timers.replace_timers(host, [TimerSpec(name="tick", every_ms=60_000, payload="p"),
+                                 TimerRow(name="once", at_ms=1_000, next_at=1_000, completed=True, last_run_at=1_500,
+                                          registration=7)])
     seal = {  # the source's seal (services/source: staged, then archived adds the files)
         "n": txid + seal_txid_delta,
         "generation": "g0",
@@ -712,7 +715,9 @@ async def assert_landed(
     assert files_gen is not None and (files_gen.op, files_gen.incarnation) == (MV, INC)
     assert (box.files_dir(host) / "uploads" / "a.txt").read_text() == "carried file"
     assert box.env_path(host).read_text() == "APP_MODE=moved\n"
-    assert [t.name for t in box.timers.list(host)] == ["tick"]
+    landed = {t.name: t for t in box.timers.list(host)}
+    assert sorted(landed) == ["once", "tick"]
+    assert landed["once"].completed and landed["once"].last_run_at == 1_500, "a delivered once-timer stays delivered"
     app = worker.running.get(host)
     if running:
         assert app is not None and await app.running() and await app.ready(), "the probed writer keeps running"

@@ -47,7 +47,7 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
-from services.box.activator import Activator, AppSpec, BoxContext, Started
+from services.box.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
 from services.box.proctree import ProcessTree
 from services.box.registry import Registry, RouteRow
 from services.box.stamps import StampBook
@@ -195,7 +195,8 @@ class BoxAgent:
         started = await self.activator.wake(host)
         if isinstance(started, Started):
             self._refused.pop(host, None)
-            self.converge_timers(host)
+            if claim.op.kind == "serving":  # never while the claim is moving (§9.4 "Frozen")
+                self.converge_timers(host)
             return f"woke {host} (session {started.session}, generation {started.generation})"
         self._refused[host] = (claim.gen, started.reason)
         log.warning("%s not started on %s: %s", host, self.label, started.reason)
@@ -248,6 +249,12 @@ class BoxAgent:
                 return out
             if record is None:
                 return out
+            move = record.move
+            if (claim.op.kind == "moving" and claim.op.exec == self.label and move is not None
+                    and move.cut_phase in SOURCE_SPAWNS_IN and not self.running(host)):
+                did = await self._serve(host, claim)  # §19.1: the source serves as usual until `stopping`
+                if did:
+                    out.did.append(did)
             move_id = record.move.id if record.move is not None else (
                 record.last_move.id if record.last_move is not None else "")
             if not move_id or claim.op.id != move_id or len(claim.op.participants) != 2:
@@ -311,15 +318,29 @@ class BoxAgent:
         adopted = await self.activator.adopt_running()
         for host in adopted:
             log.info("stopped %s found running: a new agent is a new session", host)
-        next_scan = next_timers = self.clock.monotonic()
+        timers = asyncio.ensure_future(self._timer_loop(stop))
+        try:
+            await self._pass_loop(stop)
+        finally:
+            timers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timers
+
+    async def _timer_loop(self, stop: asyncio.Event) -> None:
+        """The timer runner, beside the passes (a long landing must not starve a due timer); the cut drains its
+        in-flight deliveries before it takes evidence (§9.4 "Drained")."""
+        while not stop.is_set():
+            try:
+                await self.run_timers()
+            except Exception as exc:  # noqa: BLE001 - a timer stays due; the next tick delivers it
+                log.warning("timer run failed on %s: %s", self.label, type(exc).__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.timing.timer_tick_s)
+
+    async def _pass_loop(self, stop: asyncio.Event) -> None:
+        next_scan = self.clock.monotonic()
         while not stop.is_set():
             now = self.clock.monotonic()
-            if now >= next_timers:
-                try:
-                    await self.run_timers()
-                except Exception as exc:  # noqa: BLE001 - a timer stays due; the next tick delivers it
-                    log.warning("timer run failed on %s: %s", self.label, type(exc).__name__)
-                next_timers = now + self.timing.timer_tick_s
             if now >= next_scan:
                 try:
                     self._dirty |= await self.scan()
@@ -348,7 +369,7 @@ class BoxAgent:
                     self._due[host] = min(self._due.get(host, at), at)
             if self._dirty:
                 continue
-            until = min([next_scan, next_timers, *self._due.values()])
+            until = min([next_scan, *self._due.values()])
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wait(stop), max(0.0, until - self.clock.monotonic()))
 

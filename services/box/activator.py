@@ -101,6 +101,17 @@ rules.register(
 )
 
 
+rules.register(
+    "source-serves-before-stopping",
+    section="§19.1 (moving: the source may spawn while cut_phase is before stopping); §5.3 strict spawns",
+    meaning="a moving host is started on its source only while the record's cut has not reached stopping",
+    site="services/box/activator.py Activator._refusal",
+)
+
+SOURCE_SPAWNS_IN = frozenset({"", "requested", "admitted"})
+"""The cut phases before ``stopping``, in which the source still serves as usual (§19.1)."""
+
+
 class Certificate(Durable, frozen=True):
     """``closed/<session>.json``: every frame the session committed is uploaded (D§6 "Certificate")."""
 
@@ -221,11 +232,16 @@ class Activator:
     async def _read_claim(self, host: str) -> Claim | None:
         return (await self.ctx.ledger.read_claim(host)).state
 
-    def _refusal(self, claim: Claim | None, host: str) -> str | None:
-        """Why this box may not start ``host`` now (the decide step), or None."""
+    def _refusal(self, claim: Claim | None, host: str, cut_phase: str | None = None) -> str | None:
+        """Why this box may not start ``host`` now (the decide step), or None. A ``moving`` host is started as
+        usual while its cut has not reached ``stopping`` (§19.1 "source may spawn"; ``cut_phase`` is the
+        record's, read under the guard)."""
         if claim is None or claim.holder is None:
             return f"{host} has no claim holder; nothing may start"
-        if claim.op.kind != "serving":
+        if claim.op.kind == "moving" and rules.on("source-serves-before-stopping"):
+            if cut_phase not in SOURCE_SPAWNS_IN:
+                return f"{host} is being cut ({cut_phase or 'no move in the record'}); the source does not start it"
+        elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
         if claim.op.exec != self.ctx.label:
             return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
@@ -277,7 +293,12 @@ class Activator:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
             claim = g.claim
-            reason = self._refusal(claim, host)
+            cut_phase = None
+            if claim is not None and claim.op.kind == "moving":  # §19.1: the source serves until `stopping`
+                record = (await self.ctx.ledger.read_record(host)).state
+                move = record.move if record is not None else None
+                cut_phase = move.cut_phase if move is not None and move.id == claim.op.id else "unknown"
+            reason = self._refusal(claim, host, cut_phase)
             if reason is not None:
                 return StartRefused(host, reason)
             assert claim is not None and claim.holder is not None

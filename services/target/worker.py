@@ -529,7 +529,9 @@ class LandingWorker:
             if move.source.timers_sha256 and timers_digest(rows) != move.source.timers_sha256:
                 raise LandingFailure("the staged timers snapshot differs from the digest the source's evidence took")
             try:
-                self.box.timers.replace_timers(host, [r.spec for r in rows])  # §9.4 ReplaceTimers
+                # §9.4 ReplaceTimers with the snapshot's bookkeeping (next due, completed once-timers): a timer
+                # the source delivered before the cut is not delivered again here.
+                self.box.timers.replace_timers(host, rows)
             except TimerError as exc:
                 raise LandingFailure(f"the timers snapshot cannot be installed: {exc}") from None
             journal.mark("timers")

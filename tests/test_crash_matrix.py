@@ -1,0 +1,168 @@
+"""The crash matrix (issue 4): the acting box agent dies by SIGKILL at a failpoint of a move, is restarted, and
+the move still converges to the same outcome with no human: closed as done, served on the target with every
+acknowledged write, nothing running on the source, a history that audits clean.
+
+A clean run first lists every failpoint each agent reaches (``HOSTMOVE_FAILPOINT_LOG``; the ledger after each
+CAS and publish, the landing before and after each phase's effects, the finalizer between its CASes). ``make
+test`` runs a spread of five per agent, the first and the last included; ``HOSTMOVE_CRASH_MATRIX=full`` runs
+every named point the clean run reached after the request, at every occurrence (``make crash-matrix``). The
+ledger names its points after the transition (``before_cas:record:cut-admit``, ``after_cas:claim:move-follow``):
+before and after every journaled phase, and between every record CAS and its claim half."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from bus.nats_log import NatsEventLog
+from hostmove.failpoints import ENV, ENV_LOG
+from hostmove.stackinfo import StackInfo
+from services.objstore.s3 import S3Store
+from tests.helpers.agents import agent_world, eventually
+from tests.test_agent import APP, assert_served_on_uk, create_and_write, moved, request_move
+
+FULL = os.environ.get("HOSTMOVE_CRASH_MATRIX", "") == "full"
+Case = tuple[str, str, int]  # (region of the agent killed, point, occurrence)
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    prefix = unique("crash")
+    for region in ("ie", "uk"):
+        await store.create_bucket(f"{prefix}-{region}", versioned=True)
+    try:
+        yield store, events, prefix
+    finally:
+        for region in ("ie", "uk"):
+            await store.delete_bucket(f"{prefix}-{region}")
+        await events.close()
+        await store.close()
+
+
+MARK = "--- move requested"
+
+
+def occurrences(log: Path) -> list[tuple[str, int]]:
+    """The points of a failpoint log reached after the move was requested, with their occurrence numbers counted
+    from the agent's start, in order."""
+    seen: dict[str, int] = {}
+    out = []
+    requested = False
+    for line in log.read_text().splitlines():
+        if line == MARK:
+            requested = True
+            continue
+        seen[line] = seen.get(line, 0) + 1
+        if requested:
+            out.append((line, seen[line]))
+    return out
+
+
+GENERIC = frozenset({"after_cas", "after_publish"})  # repeated by the ledger's named points
+
+
+def named(points: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    return [(p, n) for p, n in points if p not in GENERIC]
+
+
+def matrix(clean: dict[str, list[tuple[str, int]]], per_agent: int = 5) -> list[Case]:
+    """Every named point of both agents (full), or a spread of ``per_agent`` of each agent's, first and last
+    included."""
+    cases: list[Case] = []
+    for region in ("ie", "uk"):
+        points = named(clean[region])
+        if not FULL and len(points) > per_agent:
+            step = (len(points) - 1) / (per_agent - 1)
+            points = [points[round(i * step)] for i in range(per_agent)]
+        cases += [(region, p, n) for p, n in points]
+    return cases
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def clean_points(stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+                       tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, int]]]:
+    """A clean move with the failpoint logs on: every point each agent reaches."""
+    store, events, prefix = shared
+    root = tmp_path_factory.mktemp("clean")
+    logs = {r: root / f"points-{r}.log" for r in ("ie", "uk")}
+    extra = {r: {ENV_LOG: str(p)} for r, p in logs.items()}
+    async with agent_world(stack, unique, root, prefix, store=store, events=events, extra=extra,
+                           app_env=APP) as w:
+        host = f"{unique('clean')}.example.com"
+        await create_and_write(w, host)
+        for log in logs.values():
+            with log.open("a") as f:
+                f.write(MARK + "\n")
+        move_id = await request_move(w, host)
+        await moved(w, host, move_id)
+        await assert_served_on_uk(w, host, move_id)
+    return {r: occurrences(p) for r, p in logs.items()}
+
+
+def test_the_clean_run_reaches_the_failpoints(clean_points: dict[str, list[tuple[str, int]]]) -> None:
+    """The hooks are wired: the source's ledger CASes, the landing's phases, the finalizers' steps."""
+    ie = {p for p, _ in clean_points["ie"]}
+    uk = {p for p, _ in clean_points["uk"]}
+    for transition in ("record:cut-admit", "record:cut-flip", "claim:move-follow"):
+        assert {f"before_cas:{transition}", f"after_cas:{transition}"} <= ie, (transition, sorted(ie))
+    assert {"before_cas:record:commit", "after_cas:record:opened"} <= uk, sorted(uk)
+    for phase in ("checking", "parking", "building", "local", "probing"):
+        assert f"before_effects:{phase}" in uk and f"after_effects:{phase}" in uk, (phase, sorted(uk))
+    assert "open:after_leave_hold" in uk
+    assert "after_source_parked" in ie
+
+
+async def run_case(stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+                   root: Path, case: Case) -> bool:
+    """One case: the agent of ``region`` dies at ``point@n``, is restarted, and the move converges. Answers
+    whether the failpoint was reached (a counted point may fall elsewhere in a run paced differently)."""
+    store, events, prefix = shared
+    region, point, n = case
+    extra = {region: {ENV: f"{point}@{n}"}}
+    async with agent_world(stack, unique, root, prefix, store=store, events=events, extra=extra,
+                           app_env=APP) as w:
+        host = f"{unique('crash')}.example.com"
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        agent = w.agents[region]
+
+        async def died_or_closed() -> str:
+            if not agent.alive():
+                return "died"
+            record = (await w.ledger.read_record(host)).state
+            if record is not None and record.move is None and record.last_move is not None:
+                return "closed"
+            return ""
+
+        what = await eventually(died_or_closed, f"{point}@{n} on {region} or the close", 90)
+        if what == "died":
+            assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
+            agent.start()  # the same box, a new process: nothing of the dead one's memory
+        await moved(w, host, move_id)
+        await assert_served_on_uk(w, host, move_id)
+        return what == "died"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_sigkill_at_each_failpoint_converges(stack: StackInfo, unique: Callable[[str], str],
+                                                     shared: tuple[S3Store, NatsEventLog, str],
+                                                     clean_points: dict[str, list[tuple[str, int]]],
+                                                     tmp_path: Path) -> None:
+    cases = matrix(clean_points)
+    assert len(cases) >= 10, cases
+    killed = []
+    for i, case in enumerate(cases):
+        root = tmp_path / f"case-{i}"
+        root.mkdir()
+        try:
+            if await run_case(stack, unique, shared, root, case):
+                killed.append(case)
+        except AssertionError as exc:
+            raise AssertionError(f"case {case}: {exc}") from exc
+    assert len(killed) >= len(cases) - 1, ("failpoints not reached", set(cases) - set(killed))
