@@ -57,7 +57,7 @@ async def run(root: Path) -> int:
             _say(f"   the move could not run here: {shown}")
             projection.close()
             return 1
-        _say(f"4. The move {shown.move_id}, as `hostmove move status` shows it:")
+        _say(f"4. The move {shown.move_id}: its §13 timings against their budgets")
         for line in shown.status:
             _say(f"   {line}")
         _say("5. The checks of §14.4:")

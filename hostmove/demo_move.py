@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
+import msgspec
 
 from hostmove import move_cli
 from hostmove.ports import WallClock
 from hostmove.probe_apps import free_port, post_write
 from hostmove.procs import ServiceProc, service_env
-from hostmove.rehearsal import Check, ack_logs, checks
+from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
 from hostmove.runtime import Runtime
 from hostmove.stackinfo import StackInfo
 from services.agent.config import region_bucket
@@ -131,8 +132,10 @@ async def _run(rt: Runtime, ie: BoxInit, uk: BoxInit, door_url: str, token: str,
             return f"the move ended with exit code {code}"
         record = (await rt.ledger.read_record(host)).state
         move_id = record.last_move.id if record is not None and record.last_move is not None else ""
-        status = await door.status(host)
-        lines = move_cli.status_lines(status.body, WallClock().now_ms()) if status.ok else [status.reason]
+        last = await last_move_state(rt.events, host, move_id)
+        now = WallClock().now_ms()
+        lines = [t.line() for t in move_cli.timings(msgspec.to_builtins(last), now)] if last is not None else [
+            "the move's last state is not on the stream"]
     new_port = await _until(lambda: read_endpoint(uk.box_dir, host), f"{host} serving on {uk.label}", 30)
     after = await asyncio.to_thread(post_write, new_port, "written on uk")
     out(f"   {host} takes writes on {uk.label} (seq {after})")

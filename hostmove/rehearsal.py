@@ -21,6 +21,7 @@ from bus.log import EventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events.base import decode
 from events.envelope import Transition
+from events.record import Move
 from moveprobe.acks import Ack, RowAck, TickAck, TimerAck, missing_from_db, read_acks
 from services.objstore.port import ObjectStore
 
@@ -161,6 +162,16 @@ def ack_logs(acks_dir: Path, host: str, first: str, later: Mapping[str, str]) ->
     return [(acks_dir / f"{host}.jsonl", first), *((acks_dir / f"{host}.{r}.jsonl", b) for r, b in later.items())]
 
 
+async def last_move_state(events: EventLog, host: str, move_id: str) -> Move | None:
+    """The record's ``move`` as it stood last, before the close cleared it: the closed move's §13 timings."""
+    last = None
+    async for m in events.replay(LEDGER_STREAM, subject=ledger_subject("record", host)):
+        t = decode(m.data, Transition)
+        if t.record is not None and t.record.move is not None and t.record.move.id == move_id:
+            last = t.record.move
+    return last
+
+
 async def cut_at(events: EventLog, host: str) -> int | None:
     """When the host's move was cut (the record's ``cut_at``), from its history on the stream."""
     async for m in events.replay(LEDGER_STREAM, subject=ledger_subject("record", host)):
@@ -186,7 +197,8 @@ async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, 
     while True:
         timers = await asyncio.to_thread(timers_once, port, cut_at_ms=cut, now_ms=int(time.time() * 1000),
                                          once_due_ms=genesis + once_after_ms, lost_runs=lost_runs)
-        if timers.ok or time.monotonic() > deadline:
+        once_passed = time.time() * 1000 > genesis + once_after_ms + 1_000  # its run had a second to land
+        if (timers.ok and once_passed) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.2)
     return [
@@ -197,5 +209,5 @@ async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, 
     ]
 
 
-__all__ = ["Check", "LossWindow", "ack_logs", "checks", "cut_at", "declared_losses", "key_verifies", "no_live_copy",
-           "nothing_missing", "timers_once"]
+__all__ = ["Check", "LossWindow", "ack_logs", "checks", "cut_at", "declared_losses", "key_verifies",
+           "last_move_state", "no_live_copy", "nothing_missing", "timers_once"]
