@@ -189,12 +189,17 @@ async def build_generation(
     timestamp = intent.timestamp_ms
     snapshot_key = scope.ltx_key(ltx.SNAPSHOT_LEVEL, 1, txid)
     anchor_key = scope.ltx_key(0, txid, txid)
-    snapshot = await asyncio.to_thread(encode_full, db.data, db.page_size, level=ltx.SNAPSHOT_LEVEL, min_txid=1,
-                                       max_txid=txid, timestamp_ms=timestamp)
-    anchor = await asyncio.to_thread(encode_full, db.data, db.page_size, level=0, min_txid=txid, max_txid=txid,
-                                     timestamp_ms=timestamp, wal_offset=ltx.WAL_HEADER_SIZE)
-    snapshot_version = await _reuse_or_put(store, bucket, scope, snapshot_key, snapshot, clock)
-    anchor_version = await _reuse_or_put(store, bucket, scope, anchor_key, anchor, clock)
+    # The two encodes and the two PUTs are independent: run each pair side by side (the offline window, §7.6).
+    snapshot, anchor = await asyncio.gather(
+        asyncio.to_thread(encode_full, db.data, db.page_size, level=ltx.SNAPSHOT_LEVEL, min_txid=1, max_txid=txid,
+                          timestamp_ms=timestamp),
+        asyncio.to_thread(encode_full, db.data, db.page_size, level=0, min_txid=txid, max_txid=txid,
+                          timestamp_ms=timestamp, wal_offset=ltx.WAL_HEADER_SIZE),
+    )
+    snapshot_version, anchor_version = await asyncio.gather(
+        _reuse_or_put(store, bucket, scope, snapshot_key, snapshot, clock),
+        _reuse_or_put(store, bucket, scope, anchor_key, anchor, clock),
+    )
     manifest = InstallManifest(
         v=INSTALL_VERSION, op=op, host=host, snapshot_txid=txid, snapshot_key=snapshot_key,
         snapshot_version=snapshot_version, snapshot_crc64=ltx.format_crc(ltx.stored_crc(snapshot)),
