@@ -22,7 +22,7 @@ from bus.nats_log import NatsEventLog
 from hostmove.failpoints import ENV, ENV_LOG
 from hostmove.stackinfo import StackInfo
 from services.objstore.s3 import S3Store
-from tests.helpers.agents import agent_world, eventually
+from tests.helpers.agents import agent_world, data_buckets, eventually
 from tests.test_agent import APP, assert_served_on_uk, create_and_write, moved, request_move
 
 FULL = os.environ.get("HOSTMOVE_CRASH_MATRIX", "") == "full"
@@ -31,18 +31,9 @@ Case = tuple[str, str, int]  # (region of the agent killed, point, occurrence)
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    prefix = unique("crash")
-    for region in ("ie", "uk"):
-        await store.create_bucket(f"{prefix}-{region}", versioned=True)
-    try:
-        yield store, events, prefix
-    finally:
-        for region in ("ie", "uk"):
-            await store.delete_bucket(f"{prefix}-{region}")
-        await events.close()
-        await store.close()
+    """The store, the event log and the two data buckets' prefix, for the whole module."""
+    async with data_buckets(stack, unique, "crash") as s:
+        yield s
 
 
 MARK = "--- move requested"

@@ -79,7 +79,7 @@ from services.box.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.registry import Registry, is_held
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
-from services.box.replica.replicator import Replicator
+from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.stamps import StampBook
 from services.ledger.ledger import Committed, Ledger, Refusal
@@ -101,6 +101,12 @@ rules.register(
 )
 
 
+rules.register(
+    "final-checkpoint-after-restart",
+    section="§5.3 step 5 (a final checkpoint of the local database into the box's own instances/)",
+    meaning="a stop with no replicating process left flushes the local database's committed state first",
+    site="services/box/activator.py Activator.flush_orphan",
+)
 rules.register(
     "source-serves-before-stopping",
     section="§19.1 (moving: the source may spawn while cut_phase is before stopping); §5.3 strict spawns",
@@ -517,6 +523,7 @@ class Activator:
         running = self.running.pop(host, None)
         await self._stop_tree(host)
         if running is None:
+            await self.flush_orphan(host)
             return None
         running.stop.set()
         if running.task is not None:
@@ -538,12 +545,44 @@ class Activator:
         await self.ctx.data_store.put(self.ctx.data_bucket, key, canonical(cert), if_none_match=True)
         return cert
 
+    async def flush_orphan(self, host: str) -> int | None:
+        """§5.3 step 5 when the process that replicated ``host`` is gone (an agent restarted under a running app,
+        then the app was stopped): after the tree drained, capture the local database's committed state into the
+        holder's generation, so nothing the app acknowledged stays only on this disk. Only for this box's own
+        writer and a local database that belongs to the holder's generation. A replicator's first upload is a full
+        image (every page), so no frame-to-TXID mapping of the dead process is needed. Answers the new position,
+        or None when there was nothing of this box's to capture."""
+        if not rules.on("final-checkpoint-after-restart"):
+            return None
+        db = self.ctx.db_path(host)
+        claim = await self._read_claim(host)
+        if not db.exists() or claim is None or claim.holder is None:
+            return None
+        holder = claim.holder
+        if holder.writer_box != self.ctx.label or read_local_gen(db) != holder.generation:
+            return None
+        rep = await Replicator.open(self.ctx.data_store, self.ctx.data_bucket, holder.location, holder.generation,
+                                    db, self.ctx.clock, options=ReplicaOptions(flush_first=True))
+        try:
+            while await rep.sync() is not None:
+                pass
+        finally:
+            await rep.close()
+        log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
+                 rep.position)
+        return rep.position
+
     async def adopt_running(self) -> list[str]:
-        """A new owner process is a new session (§5.1 step 9): stop every app found running."""
+        """A new owner process is a new session (§5.1 step 9): stop every app found running, then capture what
+        it committed since the dead process's last upload (:meth:`flush_orphan`). No certificate is written for
+        the dead session (a late PUT of the dead process could still land in its generation, §5.3 "Evidence
+        also starts a clock"), so the next admission still declares its ``writes_lost``; the flush makes the
+        declared loss one that, in practice, did not happen."""
         stopped = []
         for row in self.ctx.registry.rows():
             if self.ctx.tree.populated(row.host) and row.host not in self.running:
                 await self._stop_tree(row.host)
+                await self.flush_orphan(row.host)
                 stopped.append(row.host)
         return stopped
 

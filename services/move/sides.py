@@ -29,7 +29,7 @@ from services.box.sealing import PrivateKey
 from services.box.timers import Timers
 from services.door.api import Door
 from services.move import park as parking
-from services.move.finalize import Finalizer, LocalRetirement
+from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
 from services.source.phases import TimingProfile
@@ -136,8 +136,17 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
     return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
 
 
-def _closed(report_reason: str, done: bool) -> bool:
-    return done and report_reason.startswith("closed")
+def _park_step(rep: StepReport) -> SideStep:
+    """A finalizer's report as a side's step: its part done (and the move closed, when it closed it), or why it
+    waits and until when (§7.9 steps 3-5)."""
+    return SideStep(closed=rep.done and rep.reason.startswith("closed"), wait="" if rep.done else rep.reason,
+                    wake_at=rep.wake_at)
+
+
+def _finalizing_id(record: Record) -> str:
+    if record.move is not None:
+        return record.move.id
+    return record.last_move.id if record.last_move is not None else ""
 
 
 class SourceRunners:
@@ -209,10 +218,7 @@ class SourceRunners:
                 return SideStep(progressed=out.progressed, wait="the target lands")
             return SideStep(wait="the target lands")
         if stage == "finalizing":
-            move_id = move.id if move is not None else (record.last_move.id if record.last_move else "")
-            rep = await self.final.source_park(host, move_id)
-            return SideStep(closed=_closed(rep.reason, rep.done), wait="" if rep.done else rep.reason,
-                            wake_at=rep.wake_at)
+            return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
 
 
@@ -250,7 +256,6 @@ class TargetRunners:
 
     async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None,
                    source_region: str) -> SideStep:
-        move = record.move
         if stage == "preparing":  # "" : reported ready
             return SideStep(wait=await self.report(host, source_region))
         if stage in ("landing", "opening"):
@@ -259,10 +264,7 @@ class TargetRunners:
                 return SideStep(stop=step.detail)
             return SideStep(progressed=True)
         if stage == "finalizing":
-            move_id = move.id if move is not None else (record.last_move.id if record.last_move else "")
-            rep = await self.final.staging_park(host, move_id)
-            return SideStep(closed=_closed(rep.reason, rep.done), wait="" if rep.done else rep.reason,
-                            wake_at=rep.wake_at)
+            return _park_step(await self.final.staging_park(host, _finalizing_id(record)))
         return SideStep()
 
 

@@ -63,6 +63,25 @@ class AgentWorld:
 
 
 @asynccontextmanager
+async def data_buckets(stack: StackInfo, unique: Callable[[str], str],
+                       prefix: str) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    """A store, an event log and the two regions' data buckets ``<p>-ie`` and ``<p>-uk`` (``p`` made unique from
+    ``prefix``) for a test module, dropped afterwards (weed mini holds ~76 buckets)."""
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    p = unique(prefix)
+    for region in ("ie", "uk"):
+        await store.create_bucket(f"{p}-{region}", versioned=True)
+    try:
+        yield store, events, p
+    finally:
+        for region in ("ie", "uk"):
+            await store.delete_bucket(f"{p}-{region}")
+        await events.close()
+        await store.close()
+
+
+@asynccontextmanager
 async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path, prefix: str, *, store: S3Store,
                       events: NatsEventLog, start: bool = True, extra: dict[str, dict[str, str]] | None = None,
                       app_env: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:

@@ -99,6 +99,9 @@ class ReplicaOptions:
     pin_attempts: int = 200
     checkpoint_wait_ms: int = 1000
     """How long a checkpoint waits for the write lock before it is skipped (retried later)."""
+    flush_first: bool = False
+    """Upload the first full image even when nothing changed since this replicator opened: a final checkpoint
+    on behalf of a writer process that is gone (§5.3 step 5), whose commits came before the open."""
 
 
 @dataclass(frozen=True)
@@ -655,7 +658,7 @@ class Replicator:
         ``mxFrame`` (or ``pinned``'s, the position a pinned read stands at)."""
         shm = pinned if pinned is not None else self._shm()
         if self._need_full:
-            if self._pos > 0 and not self._changed_since_open(shm):
+            if self._pos > 0 and not self.options.flush_first and not self._changed_since_open(shm):
                 return None  # an anchored or continued generation with nothing new: no upload yet
             image = self._consistent_image(with_delta=False)[1]
             return self._full_pending(image)
