@@ -140,6 +140,7 @@ async def run_case(stack: StackInfo, unique: Callable[[str], str], shared: tuple
         return what == "died"
 
 
+@pytest.mark.timeout(5400 if FULL else 900)  # about 20 s a case; the full matrix has a hundred or so
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_sigkill_at_each_failpoint_converges(stack: StackInfo, unique: Callable[[str], str],
                                                      shared: tuple[S3Store, NatsEventLog, str],
