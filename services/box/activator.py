@@ -114,6 +114,9 @@ rules.register(
     site="services/box/activator.py Activator._refusal",
 )
 
+WAL_HEADER_BYTES = 32
+"""A WAL file no longer than its header holds no frame (SQLite's WAL format)."""
+
 SOURCE_SPAWNS_IN = frozenset({"", "requested", "admitted"})
 """The cut phases before ``stopping``, in which the source still serves as usual (§19.1)."""
 
@@ -561,11 +564,15 @@ class Activator:
         holder = claim.holder
         if holder.writer_box != self.ctx.label or read_local_gen(db) != holder.generation:
             return None
+        wal = Path(f"{db}-wal")
+        if not wal.exists() or wal.stat().st_size <= WAL_HEADER_BYTES:
+            return None  # every frame is in the database file already: a stop's final checkpoint emptied the WAL
         rep = await Replicator.open(self.ctx.data_store, self.ctx.data_bucket, holder.location, holder.generation,
                                     db, self.ctx.clock, options=ReplicaOptions(flush_first=True))
         try:
             while await rep.sync() is not None:
                 pass
+            await rep.checkpoint("TRUNCATE")  # flushed: a replay of this stop finds an empty WAL and adds nothing
         finally:
             await rep.close()
         log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
