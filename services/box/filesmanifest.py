@@ -51,6 +51,7 @@ from services.box.archive import (
     UnsupportedEntry,
     _Entry,
     _kind,
+    _make_writable,
     _scan,
 )
 from services.box.markers import FilesGen, cold_predecessor, normalize, write_files_gen
@@ -479,15 +480,6 @@ def _write_new(path: str, body: bytes, mode: int, fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _make_writable(root: str) -> None:
-    for dirpath, dirnames, _ in os.walk(root):
-        for d in dirnames:
-            try:
-                os.chmod(os.path.join(dirpath, d), 0o700)
-            except OSError:
-                pass
 
 
 async def restore_files(store: ObjectStore, bucket: str, manifest: FilesManifest, *, region: str, files_dir: Path,
