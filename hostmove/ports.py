@@ -1,17 +1,92 @@
-"""Ports for time and randomness (ARCHITECTURE §7).
+"""Ports for time, randomness and blocking work (ARCHITECTURE §7).
 
 Every service reads the time and draws randomness through these, so a deterministic simulation
-can drive the real code on a virtual clock with one seed.
+can drive the real code on a virtual clock with one seed. Blocking work (SQLite, hashing, archives,
+file I/O) goes through :func:`blocking`: a worker thread in production, inline inside a simulation
+run (:func:`inline_blocking`), where threads are refused and one thread keeps the run replayable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import os
 import random
 import secrets
+import socket
 import time
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, Protocol, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_INLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("hostmove_blocking_inline", default=False)
+_SEEDED: contextvars.ContextVar[Random | None] = contextvars.ContextVar("hostmove_seeded_random", default=None)
+_NET: contextvars.ContextVar[LocalNet | None] = contextvars.ContextVar("hostmove_local_net", default=None)
+
+
+async def blocking(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the blocking ``fn(*args, **kwargs)`` off the event loop (``asyncio.to_thread``), or in the caller's
+    thread while :func:`inline_blocking` is in force (the simulation: no threads, ARCHITECTURE §7)."""
+    if _INLINE.get():
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def blocking_inline() -> bool:
+    """Whether blocking work runs inline here (callers that would start threads of their own run single-threaded)."""
+    return _INLINE.get()
+
+
+@contextlib.contextmanager
+def inline_blocking() -> Iterator[None]:
+    """Run :func:`blocking` work inline for the tasks created inside the block (they copy this context)."""
+    token = _INLINE.set(True)
+    try:
+        yield
+    finally:
+        _INLINE.reset(token)
+
+
+@contextlib.contextmanager
+def simulation(rng: Random, net: LocalNet) -> Iterator[None]:
+    """The simulation's ports for the tasks created inside the block: blocking work inline, ``SystemRandom``
+    drawn from the run's seeded ``rng``, and the box-local network answered by ``net`` (ARCHITECTURE §7)."""
+    tokens = (_INLINE.set(True), _SEEDED.set(rng), _NET.set(net))
+    try:
+        yield
+    finally:
+        _NET.reset(tokens[2])
+        _SEEDED.reset(tokens[1])
+        _INLINE.reset(tokens[0])
+
+
+def free_port() -> int:
+    """A free local TCP port for an instance's next start (the simulation's twin inside :func:`simulation`)."""
+    net = _NET.get()
+    if net is not None:
+        return net.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def http_status(url: str, timeout_s: float) -> int | None:
+    """One GET of a box-local ``url``, redirects not followed: its status, or None when nothing answered within
+    ``timeout_s`` (the simulation's twin inside :func:`simulation`)."""
+    net = _NET.get()
+    if net is not None:
+        return await net.get_status(url, timeout_s)
+    import aiohttp  # only the production path needs it
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
+                session.get(url, allow_redirects=False) as resp:
+            return resp.status
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return None
 
 
 class Clock(Protocol):
@@ -30,6 +105,15 @@ class Random(Protocol):
     def random(self) -> float: ...
 
 
+class LocalNet(Protocol):
+    """The box-local network an agent uses to reach its own instances: a free port for the next start, and one
+    HTTP GET's status (None: no answer). Real sockets in production; the simulation's twin answers in-process."""
+
+    def free_port(self) -> int: ...
+
+    async def get_status(self, url: str, timeout_s: float) -> int | None: ...
+
+
 class WallClock:
     def now_ms(self) -> int:
         return time.time_ns() // 1_000_000
@@ -42,11 +126,15 @@ class WallClock:
 
 
 class SystemRandom:
+    """The operating system's randomness; inside :func:`simulation`, the run's seeded source instead."""
+
     def token_bytes(self, n: int) -> bytes:
-        return secrets.token_bytes(n)
+        seeded = _SEEDED.get()
+        return seeded.token_bytes(n) if seeded is not None else secrets.token_bytes(n)
 
     def random(self) -> float:
-        return secrets.SystemRandom().random()
+        seeded = _SEEDED.get()
+        return seeded.random() if seeded is not None else secrets.SystemRandom().random()
 
 
 class SeededRandom:

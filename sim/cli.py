@@ -6,6 +6,8 @@
                                                       each rule off alone, classified; writes sim/RESULTS.md
     hostmove sim witness [NAME] [--rules a,b] [--trace]
                                                       run witnesses (all three ways, or under --rules)
+    hostmove sim moves [--seeds N] [--first S] [--rules a,b] [--trace]
+                                                      random seeds of the world with moves (sim/moves.py)
     hostmove sim rules                                the registered rules with their spec sections
 
 Exit codes: 0 clean, 1 a violation or a failed gate/sweep (ERROR, MISSED or STALE), 2 bad usage.
@@ -22,7 +24,7 @@ from hostmove import rules
 
 __all__ = ["main"]
 
-COMMANDS = ("gate", "sweep", "witness", "rules")
+COMMANDS = ("gate", "sweep", "witness", "moves", "rules")
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:
@@ -55,6 +57,11 @@ def _command_parser() -> argparse.ArgumentParser:
     w.add_argument("name", nargs="?", default=None)
     w.add_argument("--rules", type=_rules_arg, default=None, help="run under exactly these rules switched off")
     w.add_argument("--trace", action="store_true")
+    m = sub.add_parser("moves", help="random seeds of the world with moves (not in the gate yet)")
+    m.add_argument("--seeds", type=int, default=10)
+    m.add_argument("--first", type=int, default=0)
+    m.add_argument("--rules", type=_rules_arg, default=())
+    m.add_argument("--trace", action="store_true", help="print the trace of each failing seed")
     sub.add_parser("rules", help="list the registered rules")
     return p
 
@@ -87,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_sweep(args)
     if args.command == "witness":
         return _cmd_witness(args)
+    if args.command == "moves":
+        return _cmd_moves(args)
     for name in sorted(rules.RULES):
         r = rules.RULES[name]
         print(f"{name}: {r.meaning} [{r.section}] at {r.site}")
@@ -129,13 +138,35 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_moves(args: argparse.Namespace) -> int:
+    from sim.moves import run_move_seed
+
+    bad = 0
+    for seed in range(args.first, args.first + args.seeds):
+        result = run_move_seed(seed, mutate=args.rules, trace=args.trace)
+        lines = result.report()
+        failed = bool(result.violations or result.error)
+        bad += failed
+        print(f"moves seed={seed} steps={result.steps} trace={result.trace_hash} "
+              f"moves_done={result.counters.get('moves_done', 0)} {'FAILED' if failed else 'ok'}")
+        for line in lines[:-1]:
+            print("  " + line)
+        if failed and args.trace:
+            for line in result.trace:
+                print("    " + line)
+    print(f"moves: {args.seeds - bad} of {args.seeds} seeds converged clean")
+    return 1 if bad else 0
+
+
 def _cmd_witness(args: argparse.Namespace) -> int:
     from sim.sweep import load_expected
-    from sim.witness import WITNESSES, check_witness, judge, run_witness
+    from sim.witness import FINDINGS, WITNESSES, check_witness, judge, run_witness
 
-    chosen = [w for w in WITNESSES if args.name in (None, w.name)]
+    known = (*WITNESSES, *FINDINGS) if args.name is not None else WITNESSES  # open findings only by name
+    chosen = [w for w in known if args.name in (None, w.name)]
     if not chosen:
-        print(f"no witness named {args.name}; known: {', '.join(w.name for w in WITNESSES)}", file=sys.stderr)
+        print(f"no witness named {args.name}; known: {', '.join(w.name for w in (*WITNESSES, *FINDINGS))}",
+              file=sys.stderr)
         return 2
     expected = load_expected()
     bad = 0

@@ -113,7 +113,8 @@ def execute(
     async def main() -> None:
         world = make(asyncio.get_running_loop())
         holder.append(world)
-        await drive(world, script)
+        with world.ports():
+            await drive(world, script)
 
     with rules.mutated(mutate), _logs_into(holder):
         try:
@@ -127,6 +128,7 @@ def execute(
     if not holder:
         return Result(seed, (), "", steps, error=error or "the world was never built")
     world = holder[0]
+    world.cleanup()
     error = error or world.harness_error
     violations = tuple(world.checker.violations)
     counters = {
@@ -140,6 +142,7 @@ def execute(
         "draws": sum(world.plan.draws.values()),
         "hosts": len(world.workload.hosts),
         "violations": len(violations),
+        **world.extra_counters(),
     }
     keep = trace or bool(violations) or error is not None
     return Result(

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 import msgspec
 
 from events.claim import Claim, Op
+from services.door.auth import Identity
+from services.door.decide import MoveRequest
 from services.ledger.ledger import Committed
 from sim.faults import QuietPlan, Timing
+from sim.moves import MoveConsole, MoveWorld
 from sim.run import DEFAULT_TIMING, Result, execute
 from sim.twins.s3 import Request
 from sim.workload import HostPlan, Workload
-from sim.world import World
+from sim.world import DEPLOY, MilestoneMissed, World
 
 __all__ = ["WITNESSES", "Witness", "WitnessVerdict", "judge", "run_witness"]
 
@@ -42,6 +45,7 @@ class Witness:
     hosts: tuple[tuple[str, str], ...]  # (host, box) the world creates and must bring to quiescence
     script: Script
     doc: str
+    moves: bool = False  # the world with moves (sim/moves.py): the production agents, door and recovery
 
 
 def _world(w: Witness, timing: Timing) -> Callable[[asyncio.AbstractEventLoop], World]:
@@ -49,8 +53,9 @@ def _world(w: Witness, timing: Timing) -> Callable[[asyncio.AbstractEventLoop], 
         boxes = {"ie-1": "ie", "uk-1": "uk"}
         hosts = tuple(HostPlan(h, b, boxes[b], 0.0) for h, b in w.hosts)
         workload = Workload(hosts, (), concurrent_batches=False, wrong_box=False, marker_tail=False)
-        return World(f"witness:{w.name}", QuietPlan(f"witness:{w.name}"), timing, loop, workload, witness=True,
-                     boxes=boxes)
+        kind = MoveWorld if w.moves else World
+        return kind(f"witness:{w.name}", QuietPlan(f"witness:{w.name}"), timing, loop, workload, witness=True,
+                    boxes=boxes)
 
     return make
 
@@ -235,7 +240,103 @@ async def w_ledger_cas(world: World) -> None:
     await world.until("the stale PUT settled", world.s3.idle)
 
 
+# -- moves (sim/moves.py) --------------------------------------------------------------------------
+
+
+def _mw(world: World) -> MoveWorld:
+    assert isinstance(world, MoveWorld)
+    return world
+
+
+async def _serving_on(world: MoveWorld, box: str, host: str = H) -> None:
+    def up() -> bool:
+        claim = world.checker.claims.get(host)
+        return claim is not None and claim.holder is not None and claim.op.kind == "serving" \
+            and claim.op.exec == box and any(p.box == box and p.session == claim.holder.session
+                                              for p in world.checker.procs if p.host == host)
+
+    await world.until(f"{host} serving on {box}", up)
+
+
+async def _writes(world: MoveWorld, n: int, tag: str, host: str = H) -> None:
+    for i in range(n):
+        world.write(host, f"{tag}{i}")
+        await asyncio.sleep(5.0)
+
+
+async def _closed(world: MoveWorld, host: str = H) -> None:
+    def closed() -> bool:
+        record = world.records.get(host)
+        return record is not None and record.move is None and record.last_move is not None
+
+    await world.until(f"the move of {host} closed", closed, timeout=4 * 3600.0)
+
+
+async def _request_move(world: MoveWorld, to: str, cut: str = "auto", host: str = H) -> None:
+    console = world.console()
+    assert isinstance(console, MoveConsole)
+    answer = await console.door.request_move(host, MoveRequest(to, cut), Identity("op", "operator"))  # type: ignore[arg-type]
+    if answer.status not in (200, 201):
+        raise MilestoneMissed(f"the door refused the move: {answer.status} {answer.body}")
+    console.asked.add(host)
+
+
+async def w_move(world: World) -> None:
+    """A host serving on ie-1 takes writes, moves to uk (automatic cut) through the door, the source's preparing
+    rounds and cut, the landing and both parks, and takes writes on uk-1. Every acknowledged write is in the
+    database uk-1 serves (INV-2), no version is left under the staging lanes (INV-10), and the history audits
+    clean. Mutated (``close-record-first`` off), the record closes before the parks are acknowledged and the
+    source's finalizer passes the host again and again without time passing: INV-3 (a livelock)."""
+    mw = _mw(world)
+    world.run_actors()
+    await _create(world)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 5, "before")
+    await _request_move(mw, "uk")
+    await _closed(mw)
+    await _serving_on(mw, "uk-1")
+    await _writes(mw, 3, "after")
+
+
+def _cutting(world: MoveWorld, host: str = H) -> bool:
+    """The cut was admitted (its ``cut_deadline`` runs) and nothing is committed yet."""
+    record = world.records.get(host)
+    move = record.move if record is not None else None
+    return move is not None and move.cut_deadline is not None and move.committed_at is None
+
+
+async def w_cut_deadline(world: World) -> None:
+    """The source's data-bucket requests stall for 300 s once the cut is admitted (a frozen box), longer than the
+    cut window (§7.4). The cut must give up at its ``cut_deadline``: the move ends without committing and the host
+    serves on ie-1 again. Mutated, every pre-commit phase goes on after the deadline and the move commits late:
+    INV-9."""
+    mw = _mw(world)
+    world.run_actors()
+    await _create(world)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 3, "before")
+    hold = world.s3.hold(lambda r: r.principal.name == "ie-1" and r.access.bucket != DEPLOY and _cutting(mw),
+                         stage="transit", once=False)
+    await _request_move(mw, "uk")
+    await world.until("the cut stalls", lambda: bool(hold.matched), timeout=4 * 3600.0)
+    await asyncio.sleep(300.0)
+    hold.release()
+    await asyncio.sleep(600.0)
+    record = mw.records.get(H)
+    if record is not None and record.move is not None and record.move.committed_at is None:
+        console = world.console()  # the operator answers the cut-deadline alert (the automatic revert is not built)
+        assert isinstance(console, MoveConsole)
+        answer = await console.door.abort(H, Identity("op", "operator"))
+        world.trace.emit("witness", f"abort: {answer.status} {answer.body.get('reason', '')}")
+    await _closed(mw)
+    await _writes(mw, 2, "after")
+
+
 WITNESSES: tuple[Witness, ...] = (
+    Witness("wMove", ("close-record-first",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
+    Witness("wParkExact", ("park-exact-versions",), "actor-error", ((H, "ie-1"),), w_move,
+            "wMove's script. Mutated (bare-key deletes), the source's park finds its scope refilled by the delete "
+            "markers it leaves and stops with ParkError (the park's own check, reported as actor-error).", moves=True),
     Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
             w_admit_before_start.__doc__ or ""),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,
@@ -251,7 +352,46 @@ WITNESSES: tuple[Witness, ...] = (
     Witness("wLedgerCas", ("ledger-cas",), "ledger-history", ((H, "ie-1"),), w_ledger_cas,
             w_ledger_cas.__doc__ or ""),
 )
-WITNESS_BY_NAME = {w.name: w for w in WITNESSES}
+async def w_move_crashes(world: World) -> None:
+    """wMove with both agents crashing mid-move (memory lost, disk and instances kept) and restarting: the source
+    in its cut, the target in its landing. The move still closes, the host serves on uk-1 with every acknowledged
+    write (INV-2, INV-3). Not a rule's witness: the tests run it unmutated."""
+    mw = _mw(world)
+    world.run_actors()
+    await _create(world)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 4, "before")
+    await _request_move(mw, "uk")
+    await world.until("the cut admitted", lambda: _cutting(mw), timeout=4 * 3600.0)
+    world.crash("ie-1", "witness: the source agent dies in its cut")
+    await asyncio.sleep(30.0)
+    world.start("ie-1")
+
+    def landing() -> bool:
+        record = mw.records.get(H)
+        return record is not None and record.move is not None and record.move.state in ("landing", "committed")
+
+    await world.until("the landing started", landing, timeout=4 * 3600.0)
+    world.crash("uk-1", "witness: the target agent dies in its landing")
+    await asyncio.sleep(30.0)
+    world.start("uk-1")
+    await _closed(mw)
+    await _serving_on(mw, "uk-1")
+    await _writes(mw, 3, "after")
+
+
+MOVE_CRASHES = Witness("wMoveCrashes", (), "INV-3", ((H, "ie-1"),), w_move_crashes, w_move_crashes.__doc__ or "",
+                       moves=True)
+
+FINDINGS: tuple[Witness, ...] = (
+    Witness("wCutDeadline", ("cut-deadline",), "INV-9", ((H, "ie-1"),), w_cut_deadline,
+            w_cut_deadline.__doc__ or "", moves=True),
+)
+"""Open findings: scripts that do not hold unmutated today, kept out of the gate until the code they exercise is
+built (``hostmove sim witness NAME`` replays them). wCutDeadline: once a cut's deadline passes, the source says
+"the failure path takes over" but nothing reverts the move (§7.4 ``reverting``) and the door refuses the abort, so
+the host never serves again (INV-3)."""
+WITNESS_BY_NAME = {w.name: w for w in (*WITNESSES, *FINDINGS)}
 
 
 def check_witness(w: Witness, *, trace: bool = False) -> list[WitnessVerdict]:

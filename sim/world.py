@@ -30,7 +30,7 @@ import functools
 import random
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -505,16 +505,44 @@ class World:
         self.gates: dict[tuple[str, str], Gate] = {}
         self.crash_points: dict[tuple[str, str], int] = {}
         self.running = False
+        self.prepare()
         for label, region in sorted(self.boxes.items()):
-            self.slots[label] = Slot(label, functools.partial(BoxAgent, self, label, region))
-        self.slots["console"] = Slot("console", functools.partial(ConsoleActor, self))
+            self.slots[label] = Slot(label, self.box_factory(label, region))
+        self.slots["console"] = Slot("console", self.console_factory())
         self.harness_error: str | None = None
         if not self.witness:
-            self.slots["edge"] = Slot("edge", functools.partial(EdgeActor, self))
+            self.slots["edge"] = Slot("edge", self.edge_factory())
             self.slots["chaos"] = Slot("chaos", functools.partial(ChaosActor, self))
-        else:  # every actor exists from the start; its loop runs once the script hands over (settle)
+        elif self.early_actors:  # every actor exists from the start; its loop runs once the script hands over
             for name in sorted(self.slots):
                 self.start(name)
+
+    # -- the actors' factories (a world with moves, sim/moves.py, runs other actors on the same harness) --
+
+    early_actors: ClassVar[bool] = True
+    """A witness world builds its actors before set-up (the world with moves builds them once its boxes exist)."""
+
+    def prepare(self) -> None:
+        """Set-up a subclass needs before its actors are built."""
+
+    def box_factory(self, label: str, region: str) -> Callable[[int], Any]:
+        return functools.partial(BoxAgent, self, label, region)
+
+    def console_factory(self) -> Callable[[int], Any]:
+        return functools.partial(ConsoleActor, self)
+
+    def edge_factory(self) -> Callable[[int], Any]:
+        return functools.partial(EdgeActor, self)
+
+    def ports(self) -> contextlib.AbstractContextManager[None]:
+        """The ports the run's tasks use (:mod:`hostmove.ports`); the stand-in needs none."""
+        return contextlib.nullcontext()
+
+    def cleanup(self) -> None:
+        """After the run, outside the sandbox: remove what the world put on disk."""
+
+    def extra_counters(self) -> dict[str, int]:
+        return {}
 
     def _long_tail(self, access: Access) -> float:
         if self.workload.marker_tail and access.key.endswith("/generation.json"):
@@ -618,11 +646,15 @@ class World:
         slot.up = False
         self.trace.emit(name, f"crash #{slot.incarnation} ({why})")
         if name in self.boxes:
-            for p in [p for p in self.checker.procs if p.box == name]:
-                self.os_stop(p, "its box agent died")
+            self.box_agent_died(name)
         slot.actor.kill()
         if self.running and name not in ("edge", "chaos"):
             self.restart_later(name, self.plan.uniform("restart.after_crash", 1, 300))
+
+    def box_agent_died(self, label: str) -> None:
+        """The stand-in runs its instances as flat children: they die with it."""
+        for p in [p for p in self.checker.procs if p.box == label]:
+            self.os_stop(p, "its box agent died")
 
     def restart_later(self, name: str, delay: float) -> None:
         slot = self.slots[name]

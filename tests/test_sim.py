@@ -46,7 +46,8 @@ from sim.trace import Trace
 from sim.twins.jetstream import Consumers, SimEventLog, SimJetStream, subject_matches
 from sim.twins.nats_consumers import NatsConsumers
 from sim.twins.s3 import Access, Landed, M17Policy, Principal, Request, RequestExpired, SimS3
-from sim.witness import WITNESSES
+from sim.witness import MOVE_CRASHES, WITNESS_BY_NAME, WITNESSES, Witness, run_witness
+from sim.world import World
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = Timing()
@@ -806,3 +807,96 @@ def test_a_quiet_plan_draws_nothing_harmful() -> None:
     noisy.calm = True
     assert not any(noisy.fault("f", 0.9) for _ in range(50)), "no fault fires in the calm phase"
 
+
+
+# =================================================================================================
+# moves: the production agents, the door and the recovery pass in the simulation (sim/moves.py)
+
+
+def _move_trace(result: object) -> str:
+    return "\n".join(getattr(result, "trace", ()))
+
+
+def test_a_move_runs_the_real_runners_and_every_acknowledged_write_is_served() -> None:
+    """wMove unmutated: the door's request, the source's rounds and cut, the landing, both parks and the close,
+    with writes acknowledged before and after; the final oracle (INV-2, INV-10, the protocol audit) passes."""
+    result = run_witness(WITNESS_BY_NAME["wMove"], trace=True)
+    assert not result.violations and result.error is None, result.report()
+    text = _move_trace(result)
+    for what in ("move requested", "preparing round", "cutting: ", "landing: ", "(probe)", "park park-staging",
+                 "move-done", "write before4 to h1.example on ie-1: acknowledged",
+                 "write after2 to h1.example on uk-1: acknowledged", "list_versions hostmove-data-uk/moves/"):
+        assert what in text, what
+    assert result.counters["violations"] == 0
+
+
+def test_a_move_survives_both_agents_crashing_mid_move() -> None:
+    """INV-3 and INV-2 across an agent crash in the cut and another in the landing (memory lost, disk kept)."""
+    result = run_witness(MOVE_CRASHES, trace=True)
+    assert not result.violations and result.error is None, result.report()
+    text = _move_trace(result)
+    assert "crash #1 (witness: the source agent dies in its cut)" in text
+    assert "crash #1 (witness: the target agent dies in its landing)" in text
+    assert "move-done" in text and "write after2 to h1.example on uk-1: acknowledged" in text
+
+
+def test_a_lost_acknowledged_write_is_inv2() -> None:
+    """The INV-2 oracle is not vacuous: a write acknowledged by a session nobody declared lost, missing from the
+    serving database, is reported."""
+    from sim.moves import MoveWorld
+    from sim.twins.box import Ack
+
+    seen: list[MoveWorld] = []
+
+    async def script(world: World) -> None:
+        assert isinstance(world, MoveWorld)
+        seen.append(world)
+        await WITNESS_BY_NAME["wMove"].script(world)
+        world.acks.append(Ack("h1.example", "uk-1", 999, "uk-1:0", 424242, "never-written", 0.0))
+
+    w = Witness("wLost", (), "INV-2", (("h1.example", "ie-1"),), script, "", moves=True)
+    result = run_witness(w)
+    assert [v.invariant for v in result.violations] == ["INV-2"], result.report()
+    assert "never-written" in result.violations[0].what
+
+
+def test_the_move_world_is_deterministic_and_refuses_nothing() -> None:
+    a, b = run_witness(WITNESS_BY_NAME["wMove"]), run_witness(WITNESS_BY_NAME["wMove"])
+    assert a.trace_hash == b.trace_hash and a.error is None
+
+
+def test_blocking_runs_inline_only_inside_the_simulation() -> None:
+    from hostmove import ports
+
+    async def where() -> tuple[bool, int]:
+        return ports.blocking_inline(), await ports.blocking(threading.get_ident)
+
+    inline, ident = asyncio.run(where())
+    assert not inline and ident != threading.get_ident(), "production: a worker thread"
+
+    async def simulated() -> tuple[bool, int]:
+        with ports.inline_blocking():
+            return ports.blocking_inline(), await ports.blocking(threading.get_ident)
+
+    (inline, ident), _ = run(simulated(), seed=1)
+    assert inline and ident == threading.get_ident(), "simulation: the caller's thread"
+
+
+def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
+    """A seed of the world with moves under chaos (crashes, store and bus faults, failpoints) converges with its
+    moves done, and replays to the same trace in other processes with other hash seeds (``hostmove sim moves``).
+    Known gap: the trace depends on the order the modules were first imported (sim/README.md), so the replay
+    compares runs of one entry point."""
+    from sim.moves import run_move_seed
+
+    result = run_move_seed(0)
+    assert not result.violations and result.error is None, result.report()
+    assert result.counters["moves_done"] >= 1 and result.counters["crashes"] > 0
+    assert result.counters["faults_fired"] > 0 and result.counters["writes_acknowledged"] > 0
+    lines = []
+    for hash_seed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-m", "sim", "moves", "--seeds", "1"], cwd=ROOT, capture_output=True,
+                             env={**os.environ, "PYTHONHASHSEED": hash_seed}, text=True, timeout=300, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines.append(out.stdout.splitlines()[0])
+    assert lines[0] == lines[1] and "moves_done=" in lines[0] and lines[0].endswith(" ok")

@@ -89,6 +89,7 @@ class AgentTiming:
     probe: ProbeTiming = PROBE_FAST
     sync_interval_s: float = 0.2
     timer_tick_s: float = 0.1
+    wake_backoff_max_s: float = 60.0
     max_steps: int = 40
 
 
@@ -97,6 +98,16 @@ PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     timer_tick_s=1.0)
 FAST_AGENT = AgentTiming()
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
+
+
+@dataclass(frozen=True)
+class _HeldOff:
+    """A host whose last wake here failed or was refused: not woken again before ``until`` (monotonic). A failed
+    start may have admitted a session first, and that CAS is itself an event: without the backoff the agent would
+    admit again on its own event, forever (found by the simulation)."""
+
+    until: float
+    delay_s: float
 
 
 @dataclass
@@ -142,7 +153,7 @@ class BoxAgent:
         self._dirty: set[str] = set()
         self._due: dict[str, float] = {}
         self._wake = asyncio.Event()
-        self._refused: dict[str, tuple[int, str]] = {}
+        self._held_off: dict[str, _HeldOff] = {}
         self._timer_runner: TimerRunner | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -187,19 +198,20 @@ class BoxAgent:
         """The runtime's part: wake a serving host of this box that does not run here."""
         if self.running(host) or claim.holder is None:
             return ""
-        memo = self._refused.get(host)
-        if memo is not None and memo[0] == claim.gen:
-            return ""  # refused at this claim gen already; a change of the claim wakes it again
+        held = self._held_off.get(host)
+        if held is not None and self.clock.monotonic() < held.until:
+            return ""  # an earlier wake failed: wait out its backoff, whatever the claim did meanwhile
         if self.registry.get(host) is None:
             self.registry.insert(RouteRow(host=host, status="ready", incarnation=claim.holder.incarnation))
         started = await self.activator.wake(host)
         if isinstance(started, Started):
-            self._refused.pop(host, None)
+            self._held_off.pop(host, None)
             if claim.op.kind == "serving":  # never while the claim is moving (§9.4 "Frozen")
                 self.converge_timers(host)
             return f"woke {host} (session {started.session}, generation {started.generation})"
-        self._refused[host] = (claim.gen, started.reason)
-        log.warning("%s not started on %s: %s", host, self.label, started.reason)
+        delay = min(held.delay_s * 2, self.timing.wake_backoff_max_s) if held else self.timing.retry_s
+        self._held_off[host] = _HeldOff(self.clock.monotonic() + delay, delay)
+        log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason)
         return f"{host} not started: {started.reason}"
 
     def converge_timers(self, host: str) -> bool:

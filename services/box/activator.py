@@ -43,8 +43,7 @@ from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from hostmove import rules
 from hostmove.fsutil import fsync_dir
-from hostmove.ports import Clock, Random
-from hostmove.probe_apps import free_port
+from hostmove.ports import Clock, Random, blocking, free_port, http_status
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.archive import ArchiveError, UnsupportedEntry
 from services.box.filesmanifest import (
@@ -352,6 +351,9 @@ class Activator:
                 await self._stop_tree(host)
                 if attempt < self.policy.attempts:
                     await self.ctx.clock.sleep(self.policy.first_backoff_s * 2 ** (attempt - 1))
+            except Exception:  # a store or bus error mid-start: the half-started app must not outlive it (INV-1)
+                await self._stop_tree(host)
+                raise
         marked = False
         if rules.on("start-retry-marks-failed"):
             marked = self.ctx.registry.set_status(host, "failed")
@@ -375,7 +377,7 @@ class Activator:
         logs = ctx.box_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.app.env(host, ctx.data_dir, port, ctx.region)}
-        spawned = await asyncio.to_thread(
+        spawned = await blocking(
             ctx.tree.spawn_strict, host, list(self.app.argv), env=env, cwd=str(ctx.box_dir),
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
         )
@@ -423,7 +425,13 @@ class Activator:
             raise StartCheckRefused(f"{decision.reason}, and its files manifest cannot be used: {exc}") from None
         if found is None:
             if not exists and (baseline is None or ctx.db_path(host).exists()):
-                return  # a first installation, or a box that kept its disk and never had files: nothing was lost
+                # A first installation, or a box that kept its disk and never had files: nothing was lost. The
+                # directory the app will write is this installation's from the start, so a start that fails before
+                # its first manifest leaves files the next admission keeps (its cold predecessor), not "an
+                # earlier stay" that has no manifest to come back from.
+                files_dir.mkdir(parents=True, exist_ok=True)
+                write_files_gen(files_dir, normalize(holder.generation), holder.incarnation)
+                return
             raise StartCheckRefused(f"{decision.reason}, and no files manifest exists on the host's admitted "
                                     "generations; its files are never started empty")
         if decision.park:
@@ -496,23 +504,19 @@ class Activator:
         fails the attempt at once, with the last line it wrote."""
         deadline = self.ctx.clock.monotonic() + self.app.ready_within_s
         url = f"http://127.0.0.1:{port}{self.app.ready_path}"
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-            while True:
-                code = spawned.process.poll()
-                if code is not None:
-                    tail = stderr.read_text(errors="replace").strip().splitlines()[-1:] if stderr.exists() else []
-                    raise StartError(f"the instance exited with code {code} before it was ready"
-                                     + (f": {tail[0][:300]}" if tail else ""))
-                try:
-                    async with http.get(url) as resp:
-                        if 200 <= resp.status < 400:
-                            return
-                except (TimeoutError, aiohttp.ClientError):
-                    pass
-                if self.ctx.clock.monotonic() > deadline:
-                    raise StartError(f"the instance did not answer {self.app.ready_path} within "
-                                     f"{self.app.ready_within_s:.0f} s")
-                await self.ctx.clock.sleep(0.1)
+        while True:
+            code = spawned.process.poll()
+            if code is not None:
+                tail = stderr.read_text(errors="replace").strip().splitlines()[-1:] if stderr.exists() else []
+                raise StartError(f"the instance exited with code {code} before it was ready"
+                                 + (f": {tail[0][:300]}" if tail else ""))
+            status = await http_status(url, 2.0)  # the box-local network port (ARCHITECTURE §7)
+            if status is not None and 200 <= status < 400:
+                return
+            if self.ctx.clock.monotonic() > deadline:
+                raise StartError(f"the instance did not answer {self.app.ready_path} within "
+                                 f"{self.app.ready_within_s:.0f} s")
+            await self.ctx.clock.sleep(0.1)
 
     # -- stopping ---------------------------------------------------------------------------------
 

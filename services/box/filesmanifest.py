@@ -27,7 +27,6 @@ manifest is pure; the store I/O goes through the :class:`~services.objstore.port
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import shutil
@@ -43,6 +42,7 @@ import msgspec
 from events.claim import Claim
 from hostmove import rules
 from hostmove.fsutil import fsync_dir
+from hostmove.ports import blocking
 from services.box.archive import (
     ENV_NAME,
     FILES_ROOT,
@@ -370,7 +370,7 @@ async def publish_manifest(store: ObjectStore, bucket: str, binding: Binding, fi
     env = env_file if env_file is not None and os.path.lexists(env_file) else None
     has_dir = os.path.lexists(files_dir)
     try:
-        entries = await asyncio.to_thread(_scan, files_dir, env, host) if has_dir else []
+        entries = await blocking(_scan, files_dir, env, host) if has_dir else []
     except ArchiveMissing as exc:
         raise FilesManifestError(str(exc)) from None
     if not has_dir and env is not None:
@@ -389,7 +389,7 @@ async def publish_manifest(store: ObjectStore, bucket: str, binding: Binding, fi
         if entry.is_dir:
             folders.append(FilesFolder(path=rel, mode=stat.S_IMODE(os.lstat(entry.src).st_mode)))
             continue
-        body, mode = await asyncio.to_thread(_read_regular, entry.src, rel, host)
+        body, mode = await blocking(_read_regular, entry.src, rel, host)
         sha = hashlib.sha256(body).hexdigest()
         key = object_key(binding.location, binding.generation, sha, len(body))
         await _put_object(store, bucket, key, body)
@@ -504,7 +504,7 @@ async def restore_files(store: ObjectStore, bucket: str, manifest: FilesManifest
                 os.mkdir(os.path.join(root, folder.path), 0o700)
             for entry in manifest.files:
                 body = await _fetch(store, bucket, manifest, entry, region)
-                await asyncio.to_thread(_write_new, os.path.join(root, entry.path), body, entry.mode, fsync)
+                await blocking(_write_new, os.path.join(root, entry.path), body, entry.mode, fsync)
                 total += len(body)
             if tag is not None:
                 write_files_gen(Path(root), tag.op, tag.incarnation)

@@ -30,7 +30,6 @@ address).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import logging
@@ -39,14 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import aiohttp
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 
 from events.claim import Claim
 from events.record import MoveInputs, Record
 from hostmove.copy import say
-from hostmove.ports import Clock, Random, SystemRandom, process_nonce
+from hostmove.ports import Clock, Random, SystemRandom, blocking, http_status, process_nonce
 from services.box.archive import ArchiveError, build_archive, manifest_bytes, plain_digest
 from services.box.replica.layout import GenerationScope
 from services.box.sealing import PrivateKey
@@ -312,13 +310,8 @@ async def probe_ready(url: str | None, timeout_s: float) -> tuple[bool, str]:
     """S1 (§7.3, §7.7): one GET of the readiness path; 200..399 passes (redirects are answers, not followed)."""
     if url is None:
         return False, "no readiness path is declared"
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
-                session.get(url, allow_redirects=False) as resp:
-            status = resp.status
-    except (aiohttp.ClientError, OSError) as exc:
-        return False, f"the instance did not answer ({type(exc).__name__})"
-    except TimeoutError:
+    status = await http_status(url, timeout_s)  # the box-local network port (ARCHITECTURE §7)
+    if status is None:
         return False, f"the instance did not answer within {timeout_s:g} s"
     if 200 <= status <= 399:
         return True, f"answered {status}"
@@ -412,7 +405,7 @@ class PreparingRunner:
         move = record.move
         refused = ""
         try:
-            files_plain = "sha256:" + (await asyncio.to_thread(plain_digest, box.files_dir(host), None,
+            files_plain = "sha256:" + (await blocking(plain_digest, box.files_dir(host), None,
                                                                host=host)).plain
         except ArchiveError as exc:
             files_plain, refused = "", f"the files beside the database cannot move: {exc}"
@@ -467,7 +460,7 @@ class PreparingRunner:
                 mirrored = await stager.mirror(box.data_store, box.data_bucket, scope)
                 if files_plain and box.target_key is not None and not stager.round_archive_current(files_plain):
                     try:
-                        archive, manifest = await asyncio.to_thread(self._archive, host, record)
+                        archive, manifest = await blocking(self._archive, host, record)
                     except ArchiveError as exc:
                         return None, f"the files beside the database cannot move: {exc}"
                     await stager.stage_round_archive(files_plain, archive, manifest)

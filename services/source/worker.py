@@ -14,7 +14,6 @@ the staging-work lease first, revalidates the journaled step from a fresh read, 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import logging
@@ -28,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from events.base import decode
 from events.claim import Claim
 from events.record import FilesDigest, Record
-from hostmove.ports import Clock, Random, SystemRandom, process_nonce
+from hostmove.ports import Clock, Random, SystemRandom, blocking, process_nonce
 from services.box.activator import Certificate, certificate_key
 from services.box.archive import ArchiveError, build_archive, decode_manifest, manifest_bytes, plain_digest
 from services.box.evidence import (
@@ -234,7 +233,7 @@ class SourceWorker:
         files_dir = box.files_dir(host)
 
         async def files() -> str:
-            return (await asyncio.to_thread(plain_digest, files_dir, None, host=host)).plain
+            return (await blocking(plain_digest, files_dir, None, host=host)).plain
 
         async def timers() -> str:
             return box.timers.digest(host)
@@ -343,7 +342,7 @@ class SourceWorker:
         else:
             out = io.BytesIO()
             try:
-                manifest = await asyncio.to_thread(build_archive, box.files_dir(host), None, out,
+                manifest = await blocking(build_archive, box.files_dir(host), None, out,
                                                    box.target_key(move.to), host=host, op_id=move_id,
                                                    incarnation=incarnation)
             except ArchiveError as exc:

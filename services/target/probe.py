@@ -22,16 +22,13 @@ Time is read only through the :class:`~hostmove.ports.Clock` port; durations com
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-import aiohttp
-
-from hostmove.ports import Clock
+from hostmove.ports import Clock, blocking, http_status
 from services.box.proctree import ProcessTree, Spawned, StrictRefused
 from services.target.budget import MAX_ATTEMPTS
 
@@ -247,7 +244,6 @@ class ProcessApp:
     request_timeout_s: float = 2.0
     drain_within_s: float = 10.0
     spawned: Spawned | None = None
-    _session: aiohttp.ClientSession | None = None
 
     async def start(self) -> bool:
         env = {**os.environ, **self.env, "CARLOS_MOVE_PROBE": "1"}
@@ -257,7 +253,7 @@ class ProcessApp:
             self.logs.mkdir(parents=True, exist_ok=True)
             out, err = self.logs / f"{self.host}.probe.out", self.logs / f"{self.host}.probe.err"
         try:
-            self.spawned = await asyncio.to_thread(
+            self.spawned = await blocking(
                 self.tree.spawn_strict, self.host, list(self.argv), env=env, cwd=self.cwd or os.getcwd(),
                 stdout=out, stderr=err,
             )
@@ -269,27 +265,17 @@ class ProcessApp:
         return self.spawned is not None and self.spawned.process.poll() is None
 
     async def ready(self) -> bool:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
-        try:
-            async with self._session.get(f"http://127.0.0.1:{self.port}{self.ready_path}") as resp:
-                return 200 <= resp.status <= 399
-        except (TimeoutError, aiohttp.ClientError):
-            return False
+        status = await http_status(f"http://127.0.0.1:{self.port}{self.ready_path}", self.request_timeout_s)
+        return status is not None and 200 <= status <= 399  # the box-local network port (ARCHITECTURE §7)
 
     async def stop(self) -> None:
         spawned, self.spawned = self.spawned, None
-        try:
-            if spawned is not None:
-                drain = await self.tree.kill_and_drain(self.host, within_s=self.drain_within_s)
-                if not drain.drained:
-                    raise ProbeStopUnproven(
-                        f"the probe of host {self.host} did not stop: its cgroup {drain.leaf} still holds "
-                        f"{list(drain.remaining) or 'unknown processes'} after {drain.waited_ms} ms"
-                        + (f" ({drain.error})" if drain.error else "")
-                    )
-                await asyncio.to_thread(spawned.process.wait, 10)  # dead already: only reaps it
-        finally:
-            if self._session is not None:
-                await self._session.close()
-                self._session = None
+        if spawned is not None:
+            drain = await self.tree.kill_and_drain(self.host, within_s=self.drain_within_s)
+            if not drain.drained:
+                raise ProbeStopUnproven(
+                    f"the probe of host {self.host} did not stop: its cgroup {drain.leaf} still holds "
+                    f"{list(drain.remaining) or 'unknown processes'} after {drain.waited_ms} ms"
+                    + (f" ({drain.error})" if drain.error else "")
+                )
+            await blocking(spawned.process.wait, 10)  # dead already: only reaps it

@@ -11,7 +11,6 @@ carries what it knows of itself, and :func:`write_report` writes the report.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import msgspec
 from events.base import canonical
 from events.claim import Claim
 from events.record import Record
-from hostmove.ports import Clock
+from hostmove.ports import Clock, blocking
 from services.box.archive import ArchiveError, extract
 from services.box.sealing import PrivateKey, secrets_key_fp
 from services.ledger.ledger import Ledger
@@ -235,7 +234,7 @@ async def archive_opens(
                 return False, f"the archive does not open here: {exc}"
         return True, ""
 
-    return await asyncio.to_thread(run)
+    return await blocking(run)
 
 
 async def write_report(store: ObjectStore, deployment_bucket: str, report: TargetReport) -> str | None:
@@ -299,7 +298,7 @@ async def report_readiness(
         archive_bytes = len(archive.body)
         archive_ok, archive_detail = await archive_opens(archive.body, manifest.body, private_key, op=move.id,
                                                          incarnation=move.incarnation)
-    free, total = await asyncio.to_thread(disk_usage, box_dir)
+    free, total = await blocking(disk_usage, box_dir)
     obs = Observations(
         box=box, region=region, protocol=facts.protocol, protocol_floor=facts.protocol_floor,
         secrets_key_fp=secrets_key_fp(private_key), console_secrets_key_fp=facts.console_secrets_key_fp,

@@ -38,7 +38,7 @@ from events.claim import Claim
 from events.ids import new_op_id
 from events.record import Move, Record
 from hostmove.fsutil import atomic_write, fsync_dir
-from hostmove.ports import Clock, Random
+from hostmove.ports import Clock, Random, blocking
 from services.box.activator import purge_local_db
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
@@ -507,7 +507,7 @@ class LandingWorker:
             if scratch.exists():
                 shutil.rmtree(scratch)
             try:
-                await asyncio.to_thread(extract, sealed, manifest, self.box.private_key, scratch,
+                await blocking(extract, sealed, manifest, self.box.private_key, scratch,
                                         expect_op=move.id, expect_incarnation=move.incarnation)
             except (ArchiveError, ValueError) as exc:
                 raise LandingFailure(f"the files archive does not open on this box: {exc}") from None
@@ -567,12 +567,12 @@ class LandingWorker:
         db_path = self.box.db_path(host)
         build = self._build_db(host, move.id)
         if not build.exists():
-            if read_local_gen(db_path) == move.id and await asyncio.to_thread(_check_db, db_path) == (
+            if read_local_gen(db_path) == move.id and await blocking(_check_db, db_path) == (
                 manifest.db_sha256, "ok"
             ):
                 return manifest.db_sha256  # a replay after the rename
             build = await self._restore_seal(host, claim, move)
-        sha, integrity = await asyncio.to_thread(_check_db, build)
+        sha, integrity = await blocking(_check_db, build)
         if integrity != "ok":
             raise LandingFailure(f"the built database fails its integrity check: {integrity[:200]}")
         if sha != manifest.db_sha256:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from events.base import Durable, Ident, Millis, canonical, decode
-from hostmove.ports import Clock
+from hostmove.ports import Clock, blocking
 from services.box.replica import ltx
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import PinnedRoot, newest_level0
@@ -180,7 +180,7 @@ async def build_generation(
     done = await store.get(bucket, scope.install_key)
     if isinstance(done, Got):
         return decode(done.body, InstallManifest)
-    db = await asyncio.to_thread(_read_database, Path(db_path))
+    db = await blocking(_read_database, Path(db_path))
     if db.integrity != "ok":
         raise InstallError(f"the database to install fails PRAGMA integrity_check: {db.integrity[:300]}")
     if db.commit == 0:
@@ -191,10 +191,10 @@ async def build_generation(
     anchor_key = scope.ltx_key(0, txid, txid)
     # The two encodes and the two PUTs are independent: run each pair side by side (the offline window, §7.6).
     snapshot, anchor = await asyncio.gather(
-        asyncio.to_thread(encode_full, db.data, db.page_size, level=ltx.SNAPSHOT_LEVEL, min_txid=1, max_txid=txid,
-                          timestamp_ms=timestamp),
-        asyncio.to_thread(encode_full, db.data, db.page_size, level=0, min_txid=txid, max_txid=txid,
-                          timestamp_ms=timestamp, wal_offset=ltx.WAL_HEADER_SIZE),
+        blocking(encode_full, db.data, db.page_size, level=ltx.SNAPSHOT_LEVEL, min_txid=1, max_txid=txid,
+                 timestamp_ms=timestamp),
+        blocking(encode_full, db.data, db.page_size, level=0, min_txid=txid, max_txid=txid, timestamp_ms=timestamp,
+                 wal_offset=ltx.WAL_HEADER_SIZE),
     )
     snapshot_version, anchor_version = await asyncio.gather(
         _reuse_or_put(store, bucket, scope, snapshot_key, snapshot, clock),
@@ -264,8 +264,8 @@ async def ensure_anchor(
     newest = newest_level0(files)
     if newest is not None and newest.max_txid >= restored_txid:
         return None
-    db = await asyncio.to_thread(_read_database, Path(db_path))
-    body = await asyncio.to_thread(encode_full, db.data, db.page_size, level=0, min_txid=restored_txid,
+    db = await blocking(_read_database, Path(db_path))
+    body = await blocking(encode_full, db.data, db.page_size, level=0, min_txid=restored_txid,
                                    max_txid=restored_txid, timestamp_ms=clock.now_ms(),
                                    wal_offset=ltx.WAL_HEADER_SIZE)
     key = scope.ltx_key(0, restored_txid, restored_txid)

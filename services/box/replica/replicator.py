@@ -70,7 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hostmove.ports import Clock
+from hostmove.ports import Clock, blocking
 from services.box.replica import ltx, wal
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
 from services.box.replica.planner import Plan, extend_chain, newest_level0, plan_restore, replication_position
@@ -253,7 +253,7 @@ class Replicator:
             )
         rep = cls(store, bucket, scope, db_path, clock, position=position, options=options)
         with contextlib.suppress(ReplicaError):  # not in WAL mode yet: sync says so until it is
-            await asyncio.to_thread(rep._ensure_connections)
+            await blocking(rep._ensure_connections)
         return rep
 
     @property
@@ -268,7 +268,7 @@ class Replicator:
     async def close(self) -> None:
         async with self._lock:
             self._closed = True
-            await asyncio.to_thread(self._close_connections)
+            await blocking(self._close_connections)
 
     # ------------------------------------------------------------------------------------ sync
 
@@ -284,7 +284,7 @@ class Replicator:
             result: SyncResult | None = None
             if self._pending is not None:
                 result = await self._upload_pending()
-            pending = await asyncio.to_thread(self._capture_changes)
+            pending = await blocking(self._capture_changes)
             if pending is not None:
                 self._pending = pending
                 result = await self._upload_pending()
@@ -304,7 +304,7 @@ class Replicator:
             self._check_open()
             if self._pending is not None:
                 await self._upload_pending()
-            pending = await asyncio.to_thread(self._checkpoint_locked, mode)
+            pending = await blocking(self._checkpoint_locked, mode)
             if pending is not None:
                 self._pending = pending
                 await self._upload_pending()
@@ -332,7 +332,7 @@ class Replicator:
             if len(chain) < min_inputs:
                 return None
             bodies = [await self._read_file(f) for f in chain]
-            body, pages = await asyncio.to_thread(self._merge, level, chain[0].min_txid, end, bodies)
+            body, pages = await blocking(self._merge, level, chain[0].min_txid, end, bodies)
             key = self.scope.ltx_key(level, chain[0].min_txid, end)
             await self._put(key, body)
             newest = newest_level0(files)
@@ -384,13 +384,13 @@ class Replicator:
             self._check_open()
             if self._pending is not None:
                 await self._upload_pending()
-            delta, image = await asyncio.to_thread(self._capture_with_image)
+            delta, image = await blocking(self._capture_with_image)
             if delta is not None:
                 self._pending = delta
                 await self._upload_pending()
             if self._pos == 0 or image is None or not image.data:
                 return None
-            body, pages = await asyncio.to_thread(self._encode_image, ltx.SNAPSHOT_LEVEL, 1, self._pos, image)
+            body, pages = await blocking(self._encode_image, ltx.SNAPSHOT_LEVEL, 1, self._pos, image)
             key = self.scope.ltx_key(ltx.SNAPSHOT_LEVEL, 1, self._pos)
             won = await self._put(key, body)
             self.stats.snapshots += 1

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostmove.ports import blocking
 from services.box.replica import ltx
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
 from services.box.replica.planner import NO_ROOT, PinnedRoot, Plan, Refusal, plan_restore
@@ -205,7 +206,7 @@ async def _execute(
                         )) from None
                     raise
                 fetched += len(data)
-                header = await asyncio.to_thread(_verify, ref, data, plan, pinned, strict_root)
+                header = await blocking(_verify, ref, data, plan, pinned, strict_root)
                 if i == 0 and not header.full:
                     raise RestoreRefused(Refusal(
                         NOT_FULL, f"{ref.key} starts the restore but does not hold the whole database"
@@ -216,7 +217,7 @@ async def _execute(
                     ))
                 page_size = header.page_size
                 commit = header.commit
-                await asyncio.to_thread(_apply, fd, header, data)
+                await blocking(_apply, fd, header, data)
             if durable:
                 os.fsync(fd)
         finally:
@@ -318,7 +319,7 @@ async def _check_database(path: Path) -> tuple[str, str]:
     POSIX lock the process holds on the file."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        integrity, sha = await asyncio.gather(asyncio.to_thread(_integrity, path), asyncio.to_thread(_sha256, fd))
+        integrity, sha = await asyncio.gather(blocking(_integrity, path), blocking(_sha256, fd))
     finally:
         os.close(fd)
     return integrity, sha
