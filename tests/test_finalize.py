@@ -42,6 +42,7 @@ from services.move.park import (
 from services.objstore.port import Got, VersionEntry
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
+from services.source.lease import LeaseTiming, StagingWork
 
 INC = "ab" * 32
 OTHER_INC = "cd" * 32
@@ -351,7 +352,17 @@ async def test_the_full_close(
     assert claim is not None and [o.kind for o in claim.obligations] == ["park-staging"]
     assert claim.op.kind == "landing", "the claim is not released while an obligation remains"
 
-    second = await target.staging_park(host, MV)
+    # §7.3: a staging retirement takes the staging-work lease first; a staging writer holding it makes it wait
+    timing = LeaseTiming(ttl_ms=60_000, skew_ms=10, signature_age_ms=100)
+    leased = Finalizer("uk-1", ledger, parker, events=events, staging_lease=timing, staging_region="uk")
+    writer = StagingWork(ledger.store, ledger.bucket, clock, timing, region="uk", host=host, op_id=MV,
+                         holder="ie-1/round")
+    await writer.acquire()
+    blocked = await leased.staging_park(host, MV)
+    assert not blocked.done and "staging lease" in blocked.reason and blocked.wake_at is not None
+    assert [o.kind for o in (await ledger.read_claim(host)).state.obligations] == ["park-staging"]  # type: ignore[union-attr]
+    await writer.release()
+    second = await leased.staging_park(host, MV)
     assert second.done and second.reason.startswith("closed")
     record = (await ledger.read_record(host)).state
     claim = (await ledger.read_claim(host)).state

@@ -40,6 +40,7 @@ from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.move.guards import live_move, step_allowed
 from services.move.park import Acknowledged, Parker
+from services.source.lease import LeaseTiming, StagingStopped, StagingWork
 
 log = logging.getLogger("hostmove.finalize")
 
@@ -197,6 +198,11 @@ class Finalizer:
     events: EventLog | None = None
     local_retire: Callable[[str, str], Awaitable[object]] | None = None
     faults: Callable[[str], None] | None = None
+    staging_lease: LeaseTiming | None = None
+    """With it, the staging park takes the staging-work lease of (``staging_region``, host) first and revalidates
+    the claim under it, so it never runs beside a staging writer (§7.3 "every staging retirement takes it
+    first"; claim C3)."""
+    staging_region: str = ""
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -207,8 +213,20 @@ class Finalizer:
         return await self._park(host, move_id, PARK_SUPERSEDED)
 
     async def staging_park(self, host: str, move_id: str) -> StepReport:
-        """§7.9 step 4 on the target box."""
-        return await self._park(host, move_id, PARK_STAGING)
+        """§7.9 step 4 on the target box, under the staging-work lease when one is configured."""
+        if self.staging_lease is None or not rules.on("staging-lease"):
+            return await self._park(host, move_id, PARK_STAGING)
+        work = StagingWork(self.ledger.store, self.ledger.bucket, self.ledger.clock, self.staging_lease,
+                           region=self.staging_region, host=host, op_id=move_id, holder=f"{self.box}/staging-park")
+        try:
+            await work.acquire()
+        except StagingStopped as exc:
+            return StepReport(False, f"waiting for the staging lease: {exc}",
+                              self.ledger.clock.now_ms() + self.staging_lease.ttl_ms // 4)
+        try:
+            return await self._park(host, move_id, PARK_STAGING)  # revalidates the claim first (K5)
+        finally:
+            await work.release()
 
     async def _park(self, host: str, move_id: str, kind: str) -> StepReport:
         claim = (await self.ledger.read_claim(host)).state

@@ -32,6 +32,7 @@ from services.move import park as parking
 from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
+from services.source.lease import lease_timing
 from services.source.phases import TimingProfile
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
 from services.source.worker import SourceBox, SourceWorker
@@ -233,7 +234,8 @@ class TargetRunners:
         self.final = Finalizer(
             tbox.label, deployment.door.ledger,
             parking.Parker(tbox.data_store, tbox.data_bucket, tbox.clock, timing=timings.park),
-            events=deployment.events, faults=faults)
+            events=deployment.events, faults=faults, staging_lease=lease_timing(timings.source),
+            staging_region=tbox.region)
 
     @property
     def label(self) -> str:
