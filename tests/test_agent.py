@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -45,10 +46,19 @@ async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterato
         yield s
 
 
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+            return 200 <= resp.status < 400
+    except OSError:
+        return False
+
+
 async def serving_port(w: AgentWorld, region: str, host: str, timeout_s: float = 30.0,
                        newer_than: int | None = None) -> int:
-    async def check() -> int | None:
-        return read_endpoint(w.box_dir(region), host, newer_than=newer_than)
+    async def check() -> int | None:  # named in the box's edge table and answering its readiness path
+        port = read_endpoint(w.box_dir(region), host, newer_than=newer_than)
+        return port if port is not None and await asyncio.to_thread(ready, port) else None
 
     return await eventually(check, f"{host} served on {w.labels[region]}", timeout_s)
 

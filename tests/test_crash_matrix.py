@@ -12,6 +12,7 @@ before and after every journaled phase, and between every record CAS and its cla
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -21,11 +22,13 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from hostmove.failpoints import ENV, ENV_LOG
 from hostmove.stackinfo import StackInfo
+from services.agent.service import endpoint_path
 from services.objstore.s3 import S3Store
 from tests.helpers.agents import agent_world, data_buckets, eventually
 from tests.test_agent import APP, assert_served_on_uk, create_and_write, moved, request_move
 
 FULL = os.environ.get("HOSTMOVE_CRASH_MATRIX", "") == "full"
+FROM = int(os.environ.get("HOSTMOVE_CRASH_MATRIX_FROM", "0"))  # resume a full run at this case
 Case = tuple[str, str, int]  # (region of the agent killed, point, occurrence)
 
 
@@ -132,10 +135,19 @@ async def run_case(stack: StackInfo, unique: Callable[[str], str], shared: tuple
             return ""
 
         what = await eventually(died_or_closed, f"{point}@{n} on {region} or the close", 90)
+        restarted_at = 0.0
         if what == "died":
             assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
+            restarted_at = time.time()
             agent.start()  # the same box, a new process: nothing of the dead one's memory
         await moved(w, host, move_id)
+        if region == "uk" and restarted_at:  # the new agent restarts the instance (a new session): its endpoint
+            endpoint = endpoint_path(w.box_dir("uk"), host)
+
+            async def republished() -> bool:
+                return endpoint.exists() and endpoint.stat().st_mtime > restarted_at
+
+            await eventually(republished, f"{host}'s endpoint republished by the restarted agent", 60)
         await assert_served_on_uk(w, host, move_id)
         return what == "died"
 
@@ -148,6 +160,7 @@ async def test_a_sigkill_at_each_failpoint_converges(stack: StackInfo, unique: C
                                                      tmp_path: Path) -> None:
     cases = matrix(clean_points)
     assert len(cases) >= 10, cases
+    cases = cases[FROM:]
     killed = []
     for i, case in enumerate(cases):
         root = tmp_path / f"case-{i}"

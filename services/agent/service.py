@@ -330,6 +330,8 @@ class BoxAgent:
         adopted = await self.activator.adopt_running()
         for host in adopted:
             log.info("stopped %s found running: a new agent is a new session", host)
+        for path in sorted((self.cfg.box_dir / "endpoints").glob("*.json")):  # a dead agent's edge table is stale
+            self.publish_endpoint(unquote(path.name[: -len(".json")]))
         timers = asyncio.ensure_future(self._timer_loop(stop))
         try:
             await self._pass_loop(stop)
