@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +17,7 @@ from events import Actor
 from hostmove.ports import WallClock
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
+from services.box.proctree import CgroupTree
 from services.box.roster import init_box
 from services.ledger import Ledger
 from services.objstore.s3 import S3Store
@@ -60,6 +61,24 @@ class AgentWorld:
 
     def stop(self) -> dict[str, int | None]:
         return {region: agent.stop() for region, agent in self.agents.items()}
+
+
+def drain_box_groups(label: str) -> None:
+    """Kill, drain and remove every cgroup leaf of box ``label`` and its group (what a box's agent scrubs when it
+    stops gracefully; a SIGKILLed one cannot)."""
+    tree = CgroupTree.discover(label, clock=WallClock())
+    base = tree.base
+    if base is None or not base.is_dir():
+        return
+    for leaf in sorted(p for p in base.iterdir() if p.is_dir()):
+        with suppress(FileNotFoundError, OSError):
+            (leaf / "cgroup.kill").write_text("1")
+            deadline = time.monotonic() + 10
+            while "populated 0" not in (leaf / "cgroup.events").read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            leaf.rmdir()
+    with suppress(OSError):
+        base.rmdir()
 
 
 @asynccontextmanager
@@ -109,4 +128,6 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
         yield world
     finally:
         world.stop()
+        for label in labels.values():  # an agent killed by a failpoint never scrubbed its groups: nothing stays
+            drain_box_groups(label)
         await store.delete_bucket(deploy)
