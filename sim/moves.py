@@ -67,7 +67,7 @@ from sim.twins.box import Ack, SimInstance, SimNet, SimTree
 from sim.twins.jetstream import SimEventLog
 from sim.twins.s3 import NOMINAL, Landed, M17Policy, Principal
 from sim.workload import Workload
-from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRandom, World
+from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRandom, World, retry_expected
 
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
@@ -187,15 +187,7 @@ class MoveBox(ActorBase):
                     await d.ack()
 
     async def retrying(self, what: str, step: Callable[[], Any]) -> None:
-        delay = 1.0
-        while True:
-            try:
-                await step()
-                return
-            except EXPECTED as exc:
-                self.emit(f"{what} failed: {type(exc).__name__}: {exc}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 120.0)
+        await retry_expected(self.emit, what, step)
 
     async def pass_host(self, host: str) -> None:
         self.busy += 1

@@ -249,6 +249,20 @@ class _NoGuard:
         return None
 
 
+
+async def retry_expected(emit: Callable[[str], None], what: str, step: Callable[[], Awaitable[object]]) -> None:
+    """Run ``step`` until it succeeds; an expected fault (a store or bus failure, a lost CAS) is logged to the trace
+    and retried after a doubling wait, up to two minutes."""
+    delay = 1.0
+    while True:
+        try:
+            await step()
+            return
+        except EXPECTED as exc:
+            emit(f"{what} failed: {type(exc).__name__}: {exc}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 120.0)
+
 class BoxAgent(ActorBase):
     """A box's agent: the stand-in for the activator (see the module docstring)."""
 
@@ -294,15 +308,7 @@ class BoxAgent(ActorBase):
                 next_reconcile = self.world.loop.time() + timing.reconcile_s
 
     async def retrying(self, what: str, step: Callable[[], Awaitable[object]]) -> None:
-        delay = 1.0
-        while True:
-            try:
-                await step()
-                return
-            except EXPECTED as exc:
-                self.emit(f"{what} failed: {type(exc).__name__}: {exc}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 120.0)
+        await retry_expected(self.emit, what, step)
 
     async def register(self) -> None:
         entry = RosterBox(label=self.label, region=self.region, moves_protocol=MOVES_PROTOCOL,
