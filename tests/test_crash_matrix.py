@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -136,11 +137,25 @@ async def run_case(stack: StackInfo, unique: Callable[[str], str], shared: tuple
 
         what = await eventually(died_or_closed, f"{point}@{n} on {region} or the close", 90)
         restarted_at = 0.0
-        if what == "died":
+
+        def restart_if_killed() -> bool:
+            nonlocal restarted_at
+            if agent.alive() or restarted_at:
+                return bool(restarted_at)
             assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
             restarted_at = time.time()
             agent.start()  # the same box, a new process: nothing of the dead one's memory
+            return True
+
+        restart_if_killed()
         await moved(w, host, move_id)
+        if not restarted_at:  # a point after the record's close (the claim's release) fires once the record closed
+            async def killed() -> bool:
+                return not agent.alive()
+
+            with suppress(AssertionError):
+                await eventually(killed, f"{point}@{n} after the close", 2)
+            restart_if_killed()
         if region == "uk" and restarted_at:  # the new agent restarts the instance (a new session): its endpoint
             endpoint = endpoint_path(w.box_dir("uk"), host)
 
@@ -148,7 +163,9 @@ async def run_case(stack: StackInfo, unique: Callable[[str], str], shared: tuple
                 return endpoint.exists() and endpoint.stat().st_mtime > restarted_at
 
             await eventually(republished, f"{host}'s endpoint republished by the restarted agent", 60)
+            await moved(w, host, move_id)
         await assert_served_on_uk(w, host, move_id)
+        what = "died" if restarted_at else what
         return what == "died"
 
 
