@@ -58,14 +58,21 @@ def key_verifies(port: int) -> Check:
 
 
 def timers_once(port: int, *, cut_at_ms: int | None, now_ms: int, once_due_ms: int | None,
-                lost_runs: frozenset[tuple[str, int | None]] = frozenset()) -> Check:
+                lost_runs: frozenset[tuple[str, int | None]] = frozenset(), repeats_allowed: int = 0) -> Check:
     """Every timer run names a due time that ran once and only once, the schedule's due times only advance
     (missed occurrences are coalesced by design, §9.4 runner), the once-timer ran exactly once when it was due,
     and the schedule runs after the cut. ``lost_runs`` are ``(name, due)`` runs the app acknowledged in a
-    session declared lost (INV-2's exemption): a once-timer run lost that way is no failure."""
+    session declared lost (INV-2's exemption): a once-timer run lost that way is no failure.
+
+    The runner delivers at least once, and the app applies a delivery id once, counting the repeats: a repeat is
+    what a runner killed between the app's answer and its bookkeeping leaves, one at most per runner death.
+    ``repeats_allowed`` is the number of runner deaths the caller caused (0 for a move nothing killed); more repeats
+    than that is a failure, so a bookkeeping regression (a snapshot that forgot a delivery) is never hidden by the
+    app's deduplication."""
     body = _get(port, "/timers/runs")
     assert isinstance(body, dict)
     runs = [r for r in body.get("runs", []) if isinstance(r, dict)]
+    repeats = [r for r in body.get("repeats", []) if isinstance(r, dict)]
     slots = Counter((r.get("name"), r.get("due_at_ms")) for r in runs if r.get("due_at_ms") is not None)
     twice = sorted(f"{n}@{d}" for (n, d), c in slots.items() if c > 1)
     once_runs = sum(1 for r in runs if r.get("name") == ONCE_TIMER)
@@ -73,6 +80,10 @@ def timers_once(port: int, *, cut_at_ms: int | None, now_ms: int, once_due_ms: i
     problems = []
     if twice:
         problems.append(f"ran more than once: {', '.join(twice[:5])}")
+    if len(repeats) > repeats_allowed:
+        again = ", ".join(f"{r.get('name')}@{r.get('due_at_ms')}" for r in repeats[:5])
+        problems.append(f"{len(repeats)} deliveries repeated one the app had applied ({again}), more than the "
+                        f"{repeats_allowed} a killed runner can leave")
     if once_due_ms is not None and once_due_ms < now_ms and once_runs != 1 and not (once_lost and once_runs == 0):
         problems.append(f"the once-timer ran {once_runs} times")
     schedule = [r for r in runs if r.get("name") != ONCE_TIMER and r.get("due_at_ms") is not None]
@@ -89,6 +100,8 @@ def timers_once(port: int, *, cut_at_ms: int | None, now_ms: int, once_due_ms: i
                                      f"once, the once-timer {once_runs} time{'' if once_runs == 1 else 's'}")
     if lost_runs and not problems:
         detail += f"; {len(lost_runs)} runs were in a session declared lost"
+    if repeats and not problems:
+        detail += f"; {len(repeats)} repeated deliver{'y' if len(repeats) == 1 else 'ies'} applied once (a runner died)"
     return Check("every timer ran exactly once around the cut", not problems, detail)
 
 
@@ -183,10 +196,10 @@ async def cut_at(events: EventLog, host: str) -> int | None:
 
 async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, target_db: Path,
                  ack_logs: Sequence[tuple[Path, str]], left_bucket: str, left_local: Sequence[Path],
-                 once_after_ms: int, settle_s: float = 15.0) -> list[Check]:
+                 once_after_ms: int, settle_s: float = 15.0, runner_deaths: int = 0) -> list[Check]:
     """The checks of §14.4 after a move, the instance serving on ``port`` on the target box. The timer check
     is given until the once-timer's due time (``once_after_ms`` after the first acknowledgement) plus
-    ``settle_s`` to hold."""
+    ``settle_s`` to hold. ``runner_deaths``: the agents the caller killed (each may leave one repeated delivery)."""
     acks = [(a, box) for log, box in ack_logs for a in read_acks(log, host=host)]
     genesis = min((a.ts_ms for a, _ in acks), default=int(time.time() * 1000))
     cut = await cut_at(events, host)
@@ -196,7 +209,8 @@ async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, 
     deadline = time.monotonic() + settle_s
     while True:
         timers = await asyncio.to_thread(timers_once, port, cut_at_ms=cut, now_ms=int(time.time() * 1000),
-                                         once_due_ms=genesis + once_after_ms, lost_runs=lost_runs)
+                                         once_due_ms=genesis + once_after_ms, lost_runs=lost_runs,
+                                         repeats_allowed=runner_deaths)
         once_passed = time.time() * 1000 > genesis + once_after_ms + 1_000  # its run had a second to land
         if (timers.ok and once_passed) or time.monotonic() > deadline:
             break

@@ -34,8 +34,9 @@ Run it with ``python -m moveprobe``. Configuration, all from the environment:
 
 HTTP: ``GET /ready`` (200 or 503 with the reason), ``GET /status``, ``GET /rows`` (``count``, ``max_seq``),
 ``POST /write`` ``{"value": ...}`` (200 ``{"seq", "session"}`` after commit and ack), ``POST /timers/<name>``
-(optional body ``{"due_at_ms", "delivery"}``; 404 for an undeclared name), ``GET /timers/declared``,
-``GET /timers/runs``.
+(optional body ``{"due_at_ms", "delivery"}``; 404 for an undeclared name; a delivery id already applied is
+answered with its first run and ``"repeat": true`` and recorded in ``timer_repeats``: the box's runner delivers at
+least once), ``GET /timers/declared``, ``GET /timers/runs`` (``runs`` and ``repeats``).
 
 Exit status: 0 after SIGTERM or SIGINT (WAL checkpointed), 2 bad configuration, 3 the key check
 refused to start, 1 could not listen.

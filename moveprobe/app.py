@@ -28,7 +28,7 @@ from aiohttp import web
 from hostmove.ports import Clock, SystemRandom, WallClock
 from moveprobe.acks import AckLog, RowAck, TickAck, TimerAck, canonical_value
 from moveprobe.config import Config, ConfigError, load_config
-from moveprobe.instance import Instance, KeyRefused, boot
+from moveprobe.instance import Instance, KeyRefused, TimerRun, boot
 from moveprobe.worker import fork_worker
 
 EXIT_CONFIG = 2
@@ -88,13 +88,14 @@ class Probe:
             raise AckFailed(f"the write committed as seq {seq} but its ack could not be logged: {exc}") from exc
         return seq
 
-    def timer(self, name: str, due_at_ms: int | None, delivery: str | None) -> int:
-        run, ts = self.inst.record_timer(name, due_at_ms, delivery)
+    def timer(self, name: str, due_at_ms: int | None, delivery: str | None) -> TimerRun:
+        """Apply a delivery (once per delivery id) and log its ack; a repeat acknowledges the run it already has."""
+        done = self.inst.record_timer(name, due_at_ms, delivery)
         try:
-            self.acks.append(TimerAck(self.cfg.host, name, run, due_at_ms, delivery, self.inst.session, ts))
+            self.acks.append(TimerAck(self.cfg.host, name, done.run, due_at_ms, delivery, done.session, done.ts_ms))
         except OSError as exc:
-            raise AckFailed(f"the delivery committed as run {run} but its ack could not be logged: {exc}") from exc
-        return run
+            raise AckFailed(f"the delivery committed as run {done.run} but its ack could not be logged: {exc}") from exc
+        return done
 
     def not_ready(self) -> str | None:
         return readiness(
@@ -213,12 +214,11 @@ def make_app(probe: Probe) -> web.Application:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _json({"error": f'the body must be empty or {{"due_at_ms": int, "delivery": str}}: {exc}'}, 400)
         try:
-            run = probe.timer(name, body.due_at_ms, body.delivery)
+            done = probe.timer(name, body.due_at_ms, body.delivery)
         except AckFailed as exc:
             return _json({"error": str(exc)}, 500)
-        return _json(
-            {"run": run, "name": name, "due_at_ms": body.due_at_ms, "runs": inst.runs_of(name, body.due_at_ms)}
-        )
+        return _json({"run": done.run, "repeat": done.repeat, "name": name, "due_at_ms": body.due_at_ms,
+                      "runs": inst.runs_of(name, body.due_at_ms)})
 
     async def timers_declared(_: web.Request) -> web.Response:
         declared = inst.declared()
@@ -227,7 +227,7 @@ def make_app(probe: Probe) -> web.Application:
         return web.Response(body=msgspec.json.encode(declared), content_type="application/json")
 
     async def timer_runs(_: web.Request) -> web.Response:
-        return _json({"runs": inst.timer_runs()})
+        return _json({"runs": inst.timer_runs(), "repeats": inst.timer_repeats()})
 
     app = web.Application()
     app.router.add_get("/ready", ready)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,16 @@ CREATE TABLE IF NOT EXISTS timer_runs (
     name TEXT NOT NULL,
     due_at_ms INTEGER,
     delivery TEXT,
+    received_at_ms INTEGER NOT NULL,
+    session TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS timer_runs_delivery ON timer_runs (delivery);
+CREATE TABLE IF NOT EXISTS timer_repeats (
+    repeat INTEGER PRIMARY KEY AUTOINCREMENT,
+    run INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    due_at_ms INTEGER,
+    delivery TEXT NOT NULL,
     received_at_ms INTEGER NOT NULL,
     session TEXT NOT NULL
 );
@@ -224,6 +236,16 @@ class Counts:
     timer_runs: int
 
 
+@dataclass(frozen=True)
+class TimerRun:
+    """A delivery applied: its run, the session that ran it first, when this delivery came, whether it repeated."""
+
+    run: int
+    session: str
+    ts_ms: int
+    repeat: bool
+
+
 class Instance:
     """One boot's view of the instance. ``conn`` is None when there is no instance yet and none may be made."""
 
@@ -243,36 +265,44 @@ class Instance:
     def declared(self) -> Declared | None:
         return None if self.genesis_ms is None else declared_timers(self.cfg, self.genesis_ms)
 
-    def _write(self, sql: str, args: tuple[object, ...]) -> int:
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE``), committed on success; only on a boot that may write."""
         if self.conn is None or not self.cfg.writes_allowed:
             raise RuntimeError("this boot may not write to the instance (MOVEPROBE_FAIL_READY_WHEN=before-write)")
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            cur = self.conn.execute(sql, args)
+            yield self.conn
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
-        rowid = cur.lastrowid
-        assert rowid is not None
-        return rowid
 
     def insert_row(self, kind: str, value: str | None) -> tuple[int, int]:
         """Commit one sequenced row; (seq, ts_ms). Returns only after the commit is durable (synchronous=FULL)."""
         ts = self._clock.now_ms()
-        seq = self._write(
-            "INSERT INTO rows (ts_ms, session, kind, value) VALUES (?, ?, ?, ?)", (ts, self.session, kind, value)
-        )
-        return seq, ts
+        with self._writing() as conn:
+            cur = conn.execute("INSERT INTO rows (ts_ms, session, kind, value) VALUES (?, ?, ?, ?)",
+                               (ts, self.session, kind, value))
+        assert cur.lastrowid is not None
+        return cur.lastrowid, ts
 
-    def record_timer(self, name: str, due_at_ms: int | None, delivery: str | None) -> tuple[int, int]:
-        """Commit one timer delivery; (run, ts_ms)."""
+    def record_timer(self, name: str, due_at_ms: int | None, delivery: str | None) -> TimerRun:
+        """Apply one timer delivery, once per delivery id: the runner delivers at least once (a runner that dies
+        between the app's answer and its own bookkeeping delivers the same due time again, §9.4 runner), so a
+        delivery whose id already ran is recorded in ``timer_repeats`` and answered with the run it already has."""
         ts = self._clock.now_ms()
-        run = self._write(
-            "INSERT INTO timer_runs (name, due_at_ms, delivery, received_at_ms, session) VALUES (?, ?, ?, ?, ?)",
-            (name, due_at_ms, delivery, ts, self.session),
-        )
-        return run, ts
+        with self._writing() as conn:
+            first = None if delivery is None else conn.execute(
+                "SELECT run, session FROM timer_runs WHERE delivery = ? ORDER BY run LIMIT 1", (delivery,)).fetchone()
+            if first is not None:
+                conn.execute("INSERT INTO timer_repeats (run, name, due_at_ms, delivery, received_at_ms, session) "
+                             "VALUES (?, ?, ?, ?, ?, ?)", (first[0], name, due_at_ms, delivery, ts, self.session))
+                return TimerRun(int(first[0]), str(first[1]), ts, repeat=True)
+            cur = conn.execute("INSERT INTO timer_runs (name, due_at_ms, delivery, received_at_ms, session) "
+                               "VALUES (?, ?, ?, ?, ?)", (name, due_at_ms, delivery, ts, self.session))
+        assert cur.lastrowid is not None
+        return TimerRun(cur.lastrowid, self.session, ts, repeat=False)
 
     def runs_of(self, name: str, due_at_ms: int | None) -> int:
         assert self.conn is not None
@@ -282,11 +312,17 @@ class Instance:
         return int(row[0])
 
     def timer_runs(self) -> list[dict[str, object]]:
-        if self.conn is None or not _has_table(self.conn, "timer_runs"):
+        return self._table("timer_runs", "run, name, due_at_ms, delivery, received_at_ms, session", "run")
+
+    def timer_repeats(self) -> list[dict[str, object]]:
+        """The deliveries that repeated one already applied (each answered with its first run)."""
+        return self._table("timer_repeats", "repeat, run, name, due_at_ms, delivery, received_at_ms, session",
+                           "repeat")
+
+    def _table(self, table: str, columns: str, order: str) -> list[dict[str, object]]:
+        if self.conn is None or not _has_table(self.conn, table):
             return []
-        cur = self.conn.execute(
-            "SELECT run, name, due_at_ms, delivery, received_at_ms, session FROM timer_runs ORDER BY run"
-        )
+        cur = self.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {order}")
         cols = [d[0] for d in cur.description]
         return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
 

@@ -7,7 +7,9 @@ serves on ``uk`` with every acknowledged write. A new agent process is a new ses
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,9 +19,10 @@ import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
 from events.ids import new_incarnation
+from hostmove.failpoints import ENV
 from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import post_write
-from hostmove.rehearsal import ack_logs, checks
+from hostmove.rehearsal import ack_logs, checks, timers_once
 from hostmove.stackinfo import StackInfo
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
@@ -44,6 +47,13 @@ async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterato
     """The store, the event log and the two data buckets' prefix, for the whole module."""
     async with data_buckets(stack, unique, "agt") as s:
         yield s
+
+
+def get_json(port: int, path: str) -> dict[str, list[dict[str, object]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+        body = json.load(resp)
+    assert isinstance(body, dict)
+    return body
 
 
 def ready(port: int) -> bool:
@@ -96,17 +106,18 @@ async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 90.0)
         raise AssertionError(f"not moved; record {record}\n{logs}") from None
 
 
-async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str) -> None:
+async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_deaths: int = 0) -> None:
     """The checks of §14.4 after the move, on the real boxes: the key verifies, every timer ran exactly once
     around the cut, every acknowledged write and background row (either box's) is in uk's database, and nothing
-    of the host is left live in ie; uk takes writes; the audit of the host's history is clean."""
+    of the host is left live in ie; uk takes writes; the audit of the host's history is clean. ``runner_deaths``:
+    the agents the test killed (each may leave one repeated timer delivery, applied once by the app)."""
     port = await serving_port(w, "uk", host)
     assert await asyncio.to_thread(post_write, port, "after the move") > 0
     shown = await checks(
         events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir("uk") / "data" / f"{host}.db",
         ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]}), left_bucket=f"{w.prefix}-ie",
         left_local=[w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host],
-        once_after_ms=ONCE_AFTER_MS)
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=runner_deaths)
     assert all(c.ok for c in shown), "\n".join(c.line() for c in shown)
     assert read_endpoint(w.box_dir("ie"), host) is None
     audit = await run_audit(w.events, w.ledger, host=host)
@@ -168,3 +179,44 @@ async def test_a_new_agent_process_is_a_new_session(stack: StackInfo, unique: Ca
         assert missing == [], missing[:3]
         admission = after.holder.admissions[-1]
         assert admission.writes_lost is not None and admission.writes_lost.session == before.holder.session
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_runner_killed_after_a_delivery_repeats_it_once(stack: StackInfo, unique: Callable[[str], str],
+                                                                shared: tuple[S3Store, NatsEventLog, str],
+                                                                tmp_path: Path) -> None:
+    """The timer runner delivers at least once (§9.4): SIGKILL the agent after the app answered a delivery and
+    before the runner's bookkeeping; the restarted agent delivers that due time again under the same delivery id,
+    the app applies it once and counts the repeat, and the §14.4 timer check allows exactly the one repeat the
+    death explains."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"ie": {ENV: "timer:after_delivery@1"}}) as w:
+        host = f"{unique('rpt')}.example.com"
+        await create_host(w.ledger, host, box=w.labels["ie"], region="ie", incarnation=new_incarnation(SystemRandom()))
+        agent = w.agents["ie"]
+
+        async def died() -> bool:
+            return not agent.alive()
+
+        await eventually(died, "the agent's death after its first timer delivery", 30)
+        assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
+        agent.start()  # the same box, a new process, no failpoint
+
+        async def repeated() -> tuple[int, dict[str, list[dict[str, object]]]] | None:
+            port = read_endpoint(w.box_dir("ie"), host)  # the restarted agent restarts the app: a new endpoint
+            try:
+                body = None if port is None else await asyncio.to_thread(get_json, port, "/timers/runs")
+            except OSError:
+                return None
+            return (port, body) if port is not None and body is not None and body["repeats"] else None
+
+        port, body = await eventually(repeated, "the due time the dead runner delivered, delivered again", 60)
+        (repeat,) = body["repeats"]
+        first = [r for r in body["runs"] if r["delivery"] == repeat["delivery"]]
+        assert len(first) == 1 and first[0]["run"] == repeat["run"], (repeat, body["runs"])
+        now = int(time.time() * 1000)
+        strict = timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None)
+        assert not strict.ok and "repeated" in strict.detail, strict.line()
+        allowed = timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None, repeats_allowed=1)
+        assert allowed.ok, allowed.line()

@@ -343,11 +343,11 @@ def test_timer_deliveries_are_recorded_once_each(probes: Probes) -> None:
     running = probes.start(interval_s=0)
     wait_status(running, "/ready", 200)
     once = request(running.url + "/timers/once", "POST", {"delivery": "d-1"})
-    assert once == (200, {"run": 1, "name": "once", "due_at_ms": None, "runs": 1})
+    assert once == (200, {"run": 1, "repeat": False, "name": "once", "due_at_ms": None, "runs": 1})
     assert request(running.url + "/timers/periodic", "POST", {"due_at_ms": 1000})[1]["runs"] == 1
     assert request(running.url + "/timers/periodic", "POST", {"due_at_ms": 2000})[1]["runs"] == 1
     again = request(running.url + "/timers/periodic", "POST", {"due_at_ms": 1000})
-    assert again[0] == 200 and again[1]["runs"] == 2, "a second delivery of one occurrence is recorded and visible"
+    assert again[0] == 200 and again[1]["runs"] == 2, "without a delivery id a second delivery is a second run"
     code, body = request(running.url + "/timers/nightly", "POST")
     assert code == 404 and "periodic, once" in body["error"]
     assert request(running.url + "/timers/once", "POST", {"due_at_ms": "soon"})[0] == 400
@@ -370,6 +370,28 @@ def test_timer_deliveries_are_recorded_once_each(probes: Probes) -> None:
         ("periodic", 4),
     ]
     assert missing_from_db(probes.db, acks) == []
+
+
+def test_a_repeated_delivery_id_runs_once(probes: Probes) -> None:
+    """The box's runner delivers at least once (a runner killed between the app's answer and its bookkeeping
+    delivers the same due time again, with the same delivery id): the app applies it once, answers with the run it
+    has, and records the repeat where the §14.4 check can count it."""
+    running = probes.start(interval_s=0)
+    wait_status(running, "/ready", 200)
+    body = {"due_at_ms": 5000, "delivery": "r1:5000"}
+    first = request(running.url + "/timers/periodic", "POST", body)
+    second = request(running.url + "/timers/periodic", "POST", body)
+    assert first[0] == second[0] == 200
+    assert first[1]["repeat"] is False and second[1]["repeat"] is True
+    assert second[1]["run"] == first[1]["run"] and second[1]["runs"] == 1
+    other = request(running.url + "/timers/periodic", "POST", {"due_at_ms": 5400, "delivery": "r1:5400"})
+    assert other[1]["repeat"] is False and other[1]["run"] == first[1]["run"] + 1
+    served = request(running.url + "/timers/runs")[1]
+    assert [(r["name"], r["due_at_ms"]) for r in served["runs"]] == [("periodic", 5000), ("periodic", 5400)]
+    assert [(r["run"], r["delivery"]) for r in served["repeats"]] == [(first[1]["run"], "r1:5000")]
+    acks = [a for a in read_acks(probes.ack_log) if isinstance(a, TimerAck)]
+    assert [a.run for a in acks] == [first[1]["run"], first[1]["run"], other[1]["run"]]
+    assert missing_from_db(probes.db, read_acks(probes.ack_log)) == []
 
 
 # --- the forked worker ---------------------------------------------------------------------------

@@ -155,6 +155,7 @@ class BoxAgent:
         self._wake = asyncio.Event()
         self._held_off: dict[str, _HeldOff] = {}
         self._timer_runner: TimerRunner | None = None
+        self._faults = faults
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -240,7 +241,7 @@ class BoxAgent:
         if self._timer_runner is None:
             self._http = aiohttp.ClientSession()
             self._timer_runner = TimerRunner(self.timers, self.clock, self._http, self._instance_url,
-                                             path=TIMER_PATH, timeout_s=5.0)
+                                             path=TIMER_PATH, timeout_s=5.0, faults=self._faults)
         await self._timer_runner.run_due()
 
     async def pass_host(self, host: str) -> PassResult:

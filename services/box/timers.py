@@ -319,6 +319,12 @@ class TimerRunner:
     (``<registration>:<due_at>``), so an app can tell a repeated delivery of one due time from a new one.
     A 2xx answer is a delivery; anything else, or no answer within ``timeout_s``, changes nothing and the timer
     stays due. Only rows whose route is open and ``ready`` are delivered.
+
+    Delivery is **at least once**: a runner that dies between the app's answer and its own bookkeeping leaves the
+    row due, and the next runner (on this box, or on the target after a move: the snapshot carries the row) delivers
+    the same due time again under the same ``delivery`` id. No runner can close that window; an app applies a
+    delivery id once (``moveprobe`` does, and counts the repeats). ``faults("timer:after_delivery")`` is called in
+    that window, so the crash tests can put a SIGKILL there.
     """
 
     def __init__(
@@ -330,6 +336,7 @@ class TimerRunner:
         *,
         path: str = "/_hostmove/timer",
         timeout_s: float = 10.0,
+        faults: Callable[[str], None] | None = None,
     ) -> None:
         self.timers = timers
         self.conn = timers.conn
@@ -339,6 +346,7 @@ class TimerRunner:
         self.path = path
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.identity = runner_identity()
+        self.faults = faults
 
     async def run_due(self, now_ms: int | None = None) -> RunReport:
         """Deliver every timer due at ``now_ms`` (the Clock's now by default). Hosts run concurrently,
@@ -368,6 +376,8 @@ class TimerRunner:
             delivered = False
             try:
                 delivered = await self._post(host, row)
+                if delivered and self.faults is not None:
+                    self.faults("timer:after_delivery")
             finally:
                 self._finish(host, row, now, delivered)
             (report.delivered if delivered else report.failed).append((host, row.name))
