@@ -37,7 +37,15 @@ from services.box.filesmanifest import (
     read_manifest,
     restore_files,
 )
-from services.box.markers import FilesGen, read_files_gen, write_files_gen
+from services.box.markers import (
+    FilesGen,
+    Refused,
+    RestoreCold,
+    files_generations,
+    read_files_gen,
+    start_check,
+    write_files_gen,
+)
 from services.box.registry import RouteRow
 from services.box.sealing import generate_private_key
 from services.ledger import Ledger
@@ -250,6 +258,35 @@ def test_decide_files() -> None:
     assert isinstance(stale, RestoreFiles) and stale.park and "w0" in stale.reason
     assert isinstance(decide_files(claim, True, FilesGen(op="w1", incarnation="cd" * 32)), KeepFiles), (
         "another incarnation's files are the start check's to refuse, never touched")
+
+
+def _run(*links: tuple[str, str, str]) -> Claim:
+    """A claim whose admissions are ``(box, generation, predecessor)``, oldest first; the last is the holder's."""
+    adms = tuple(Admission(session=i + 1, box=box, generation=gen, region="ie",
+                           predecessor=Predecessor(session=i, box="x", generation=pred, stamp=i))
+                 for i, (box, gen, pred) in enumerate(links))
+    last = adms[-1]
+    return Claim(host="h.example.com", gen=9, op=Op(kind="serving", exec=last.box),
+                 holder=Holder(incarnation=INC, location=LOCATION, generation=last.generation, stamp=9,
+                               session=last.session, writer_box=last.box, admissions=adms))
+
+
+def test_files_of_a_run_of_failed_starts_on_this_box_are_kept() -> None:
+    """Two failed starts in a row (a store outage at a first wake) leave the files tagged two links back: within
+    one unbroken run of this box's cold admissions they are still this stay's, so the start keeps them instead of
+    refusing forever; an earlier stay (another box admitted in between) is still stale."""
+    run = _run(("a", "w1", ""), ("a", "w2", "w1"), ("a", "w3", "w2"))
+    tagged_w1 = FilesGen(op="w1", incarnation=INC)
+    assert files_generations(run, "a") == {"w3", "w2", "w1", ""}
+    assert isinstance(decide_files(run, True, tagged_w1, box="a"), KeepFiles)
+    assert isinstance(decide_files(run, True, tagged_w1), RestoreFiles), "without the box, the spec's two links"
+    assert isinstance(start_check(run, None, tagged_w1, True, None, box="a"), RestoreCold)
+    assert isinstance(start_check(run, None, tagged_w1, True, None), Refused)
+    broken = _run(("a", "w1", ""), ("b", "w2", "w1"), ("a", "w3", "w2"))
+    assert files_generations(broken, "a") == {"w3", "w2"}
+    stale = decide_files(broken, True, tagged_w1, box="a")
+    assert isinstance(stale, RestoreFiles) and stale.park, "files of a stay before b's are an earlier stay"
+    assert files_generations(run, "b") == {"w3", "w2"}, "another box's run is not this box's"
 
 
 # -- through the activator: lose the disk, cold-admit on another box ------------------------------

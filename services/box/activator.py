@@ -416,7 +416,7 @@ class Activator:
         host, ctx = claim.host, self.ctx
         files_dir, env_file = ctx.files_dir(host), ctx.data_dir / f"{host}.env"
         exists = os.path.lexists(files_dir)
-        decision = decide_files(claim, exists, read_files_gen(files_dir) if exists else None)
+        decision = decide_files(claim, exists, read_files_gen(files_dir) if exists else None, box=ctx.label)
         if isinstance(decision, KeepFiles):
             return
         try:
@@ -493,7 +493,7 @@ class Activator:
         marker = await read_generation_marker(ctx.data_store, ctx.data_bucket, holder.location)
         files_dir = ctx.files_dir(claim.host)
         verdict = start_check(claim, marker.marker, read_files_gen(files_dir) if files_dir.exists() else None,
-                              files_dir.exists(), read_local_gen(ctx.db_path(claim.host)))
+                              files_dir.exists(), read_local_gen(ctx.db_path(claim.host)), box=ctx.label)
         if isinstance(verdict, Refused):
             raise StartCheckRefused(verdict.reason)
         if isinstance(verdict, RestoreCold) and ctx.db_path(claim.host).exists():

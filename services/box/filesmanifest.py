@@ -54,7 +54,7 @@ from services.box.archive import (
     _make_writable,
     _scan,
 )
-from services.box.markers import FilesGen, cold_predecessor, normalize, write_files_gen
+from services.box.markers import FilesGen, files_generations, normalize, write_files_gen
 from services.box.replica.layout import GenerationScope
 from services.objstore.port import Got, Lost, ObjectStore
 
@@ -288,10 +288,12 @@ class RestoreFiles:
     park: bool
 
 
-def decide_files(claim: Claim, files_dir_exists: bool, files_gen: FilesGen | None) -> KeepFiles | RestoreFiles:
-    """§5.1 start check rule 2 and §7.6: files tagged with ``holder.generation`` or its cold predecessor are
-    this installation's; missing ones, or stale ones of this incarnation, come back from the manifest.
-    Another incarnation's files are never touched: the start check refuses them."""
+def decide_files(claim: Claim, files_dir_exists: bool, files_gen: FilesGen | None, *,
+                 box: str | None = None) -> KeepFiles | RestoreFiles:
+    """§5.1 start check rule 2 and §7.6: files tagged with ``holder.generation``, its cold predecessor or a
+    generation of this box's current stay (:func:`files_generations`) are this installation's; missing ones, or
+    stale ones of this incarnation, come back from the manifest. Another incarnation's files are never touched:
+    the start check refuses them."""
     holder = claim.holder
     assert holder is not None
     if not rules.on("files-manifest-restore"):
@@ -302,7 +304,7 @@ def decide_files(claim: Claim, files_dir_exists: bool, files_gen: FilesGen | Non
     incarnation = files_gen.incarnation if files_gen is not None else holder.incarnation
     if incarnation != holder.incarnation:
         return KeepFiles("the files belong to another incarnation; the start check refuses them")
-    if op in (normalize(holder.generation), cold_predecessor(claim)):
+    if op in files_generations(claim, box):
         return KeepFiles("the files are tagged for this installation")
     return RestoreFiles(f"the files on this box are from generation {op or 'origin'}, an earlier stay", park=True)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from events.base import Durable, Ident, Millis, canonical, decode
-from events.claim import Claim
+from events.claim import Admission, Claim
 from events.durable import DurableValueError
 from hostmove import rules
 from hostmove.fsutil import atomic_write
@@ -108,14 +108,55 @@ def cold_predecessor(claim: Claim) -> str | None:
     return None
 
 
+def _cold_admission_into(claim: Claim, generation: str) -> Admission | None:
+    assert claim.holder is not None
+    for adm in reversed(claim.holder.admissions):
+        if normalize(adm.generation) == generation and adm.mode == "cold" and adm.predecessor is not None:
+            if normalize(adm.predecessor.generation) != generation:  # warm self-links skipped
+                return adm
+    return None
+
+
+def files_generations(claim: Claim, box: str | None = None) -> frozenset[str]:
+    """The generations whose ``.files-gen`` tag rule 2 of the start check accepts (§5.1): ``holder.generation``
+    and its cold predecessor; and, for the box ``box``, every generation of its current **stay**, the unbroken run
+    of cold admissions on this box back from ``holder.generation``, with the predecessor the run began from.
+
+    The run is this document's reading, not the spec's words (which name the cold predecessor only): the files are
+    retagged after a start completes, so two failed starts in a row (a store outage at a host's first wake) leave
+    the tag two links back, and the strict reading then refuses every later start of a host whose only copy of its
+    files is that directory (no manifest was ever published): stuck with no human (INV-3). Within one run on one
+    box no other writer existed, and the directory is the one the failed starts' apps used; an earlier stay (a move
+    away and back) is broken by the other box's admission and still refused."""
+    holder = claim.holder
+    assert holder is not None
+    current = normalize(holder.generation)
+    accepted = {current}
+    pred = cold_predecessor(claim)
+    if pred is not None:
+        accepted.add(pred)
+    link, walked = current, set()
+    while box is not None and link != ORIGIN and link not in walked:
+        walked.add(link)
+        adm = _cold_admission_into(claim, link)
+        if adm is None or adm.box != box or adm.predecessor is None:
+            break
+        link = normalize(adm.predecessor.generation)
+        accepted.add(link)
+    return frozenset(accepted)
+
+
 def start_check(
     claim: Claim,
     bucket_marker: GenerationMarker | None,
     files_gen: FilesGen | None,
     files_dir_exists: bool,
     local_gen: str | None,
+    *,
+    box: str | None = None,
 ) -> Ready | RestoreCold | Refused:
-    """Before every spawn (``Start``, ``Seed``, ``ProbeWake``): §5.1 "The start check" rules 1 to 3."""
+    """Before every spawn (``Start``, ``Seed``, ``ProbeWake``): §5.1 "The start check" rules 1 to 3 (rule 2 over
+    :func:`files_generations` of ``box``)."""
     holder = claim.holder
     if holder is None:
         return Refused("this host has no holder, so nothing may start")
@@ -136,7 +177,7 @@ def start_check(
             files_op, files_inc = normalize(files_gen.op), files_gen.incarnation
         if files_inc != holder.incarnation:
             return Refused("the files on this box belong to another incarnation of this host")
-        if files_op not in (expected, cold_predecessor(claim)):
+        if files_op not in files_generations(claim, box):
             return Refused(f"the files on this box are from generation {files_op or 'origin'}, "
                            f"not {expected or 'origin'}")
     # 3. <host>.gen names it exactly; otherwise the warm database is from an earlier stay.
