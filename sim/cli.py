@@ -1,7 +1,9 @@
 """``hostmove sim``: the deterministic simulation's command line (model digest §1 "Commands").
 
     hostmove sim --seed N [--trace] [--rules a,b]    replay one seed (mutated with --rules)
-    hostmove sim gate [--seeds 300] [--jobs J]        seeds unmutated, determinism, every witness
+    hostmove sim gate [--seeds 300] [--moves 20] [--jobs J]
+                                                      seeds unmutated, determinism, every witness; then the
+                                                      first --moves seeds of the world with moves, each twice
     hostmove sim sweep --seeds N [--rules a,b] [--jobs J] [--out PATH]
                                                       each rule off alone, classified; writes sim/RESULTS.md
     hostmove sim witness [NAME] [--rules a,b] [--trace]
@@ -47,6 +49,7 @@ def _command_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("gate", help="seeds unmutated, the determinism check and every witness")
     g.add_argument("--seeds", type=int, default=300)
+    g.add_argument("--moves", type=int, default=20, help="seeds of the world with moves, each run twice (0: none)")
     g.add_argument("--jobs", type=int, default=None)
     s = sub.add_parser("sweep", help="switch each rule off alone and classify")
     s.add_argument("--seeds", type=int, required=True)
@@ -57,7 +60,7 @@ def _command_parser() -> argparse.ArgumentParser:
     w.add_argument("name", nargs="?", default=None)
     w.add_argument("--rules", type=_rules_arg, default=None, help="run under exactly these rules switched off")
     w.add_argument("--trace", action="store_true")
-    m = sub.add_parser("moves", help="random seeds of the world with moves (not in the gate yet)")
+    m = sub.add_parser("moves", help="random seeds of the world with moves")
     m.add_argument("--seeds", type=int, default=10)
     m.add_argument("--first", type=int, default=0)
     m.add_argument("--rules", type=_rules_arg, default=())
@@ -83,10 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "seed":
         return _cmd_seed(args)
     if args.command == "gate":
-        from sim.sweep import gate
+        from sim.sweep import gate, moves_gate
 
         try:
-            return 0 if gate(args.seeds, jobs=args.jobs).ok else 1
+            ok = gate(args.seeds, jobs=args.jobs).ok
+            return 0 if (moves_gate(args.moves, jobs=args.jobs).ok if args.moves else True) and ok else 1
         except ValueError as exc:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
