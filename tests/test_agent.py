@@ -220,3 +220,57 @@ async def test_a_runner_killed_after_a_delivery_repeats_it_once(stack: StackInfo
         assert not strict.ok and "repeated" in strict.detail, strict.line()
         allowed = timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None, repeats_allowed=1)
         assert allowed.ok, allowed.line()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_aborted_move_closes_and_the_source_keeps_serving(stack: StackInfo, unique: Callable[[str], str],
+                                                                   shared: tuple[S3Store, NatsEventLog, str],
+                                                                   tmp_path: Path) -> None:
+    """§7.11 on the real stack: a manual-cut move waits ready; the operator aborts it at the door; the two agents
+    park the staging lane (the target's obligation) and the source's snapshots, close the record first
+    (``last_move = aborted``) and release the claim to ``serving`` on the source. The instance never stopped: every
+    acknowledged write is still served on ie and it takes writes; nothing is left in the staging lane."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP) as w:
+        host = f"{unique('abt')}.example.com"
+        await create_and_write(w, host)
+        door = Door(w.ledger, clock=WallClock(), rng=SystemRandom())
+        asked = await door.request_move(host, MoveRequest("uk", "manual"), Identity("op", "operator"))
+        assert asked.status in (200, 201), asked.body
+        move_id = str(asked.body["move"]["id"])
+
+        async def ready() -> bool:
+            record = (await w.ledger.read_record(host)).state
+            return record is not None and record.move is not None and record.move.state == "ready"
+
+        await eventually(ready, "the manual-cut move to be ready", 60)
+        lane = f"moves/{host}/{move_id}/"
+        assert await w.store.list_keys(f"{w.prefix}-uk", lane), "the rounds staged into the target's lane"
+        aborted = await door.abort(host, Identity("op", "operator"))
+        assert aborted.status == 200, aborted.body
+
+        async def closed() -> bool:
+            record = (await w.ledger.read_record(host)).state
+            claim = (await w.ledger.read_claim(host)).state
+            return (record is not None and record.move is None and record.last_move is not None
+                    and record.last_move.id == move_id and claim is not None and claim.op.kind == "serving")
+
+        try:
+            await eventually(closed, "the aborted move to close", 90)
+        except AssertionError:
+            record, claim = (await w.ledger.read_record(host)).state, (await w.ledger.read_claim(host)).state
+            logs = "\n".join(a.output()[-3000:] for a in w.agents.values())
+            raise AssertionError(f"not closed; record {record}\nclaim {claim}\n{logs}") from None
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        assert record is not None and record.last_move is not None and record.last_move.outcome == "aborted"
+        assert claim is not None and claim.op.exec == w.labels["ie"] and claim.obligations == ()
+        assert await w.store.list_keys(f"{w.prefix}-uk", lane) == [], "the staging lane is parked"
+        port = await serving_port(w, "ie", host)
+        seq = await asyncio.to_thread(post_write, port, "after the abort")
+        acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
+        assert acks[-1].seq == seq
+        assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
+        assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]

@@ -429,3 +429,75 @@ async def test_a_persisted_manifest_naming_a_key_outside_the_scope_is_never_acte
         await parker.park_scope(host=host, op=MV, kind=KIND, scope=scope_of(host))
     assert isinstance(await store.get(bucket, f"instances/{host}/{OTHER_INC}/keep.ltx"), Got)
     assert len(member_versions(await store.list_versions(bucket, prefix), prefix)) == 8, "nothing was deleted"
+
+
+# -- an abort (§7.11) ------------------------------------------------------------------------------------
+
+
+def aborted_record(host: str, *, at: int) -> Record:
+    return Record(host=host, gen=1, move=Move(id=MV, incarnation=INC, to="uk", from_="ie", state="aborted",
+                                              reason="aborted by operator op", updated_at=at))
+
+
+def test_an_abort_owes_the_target_a_staging_park_once() -> None:
+    """The claim half of an abort: phase ``aborted`` and a ``park-staging`` owned by the target, scoped to the
+    lane, with the abort as its evidence time; once followed (or acknowledged) it is not owed again."""
+    host = "h.example.com"
+    record = aborted_record(host, at=EVIDENCE)
+    followed = claim_half(moving_claim(host), record)
+    assert isinstance(followed, Claim) and (followed.op.kind, followed.op.phase, followed.op.exec) == (
+        "moving", "aborted", "ie-1")
+    (ob,) = followed.obligations
+    assert (ob.kind, ob.owner, ob.region) == ("park-staging", "uk-1", "uk")
+    assert ob.scope is not None and ob.scope.location == f"moves/{host}/{MV}" and ob.scope.evidence_at == EVIDENCE
+    assert isinstance(claim_half(followed, record), NoChange)
+    acknowledged = msgspec.structs.replace(followed, obligations=())
+    assert isinstance(claim_half(acknowledged, record), NoChange), "an acknowledged park is not owed again"
+    assert isinstance(decide_close(record, followed, move_id=MV, now_ms=1), NoChange), "the park is still owed"
+    unparked = decide_close(record, acknowledged, move_id=MV, now_ms=1)
+    assert isinstance(unparked, NoChange) and "source" in unparked.reason
+    assert record.move is not None
+    parked = msgspec.structs.replace(record, move=msgspec.structs.replace(record.move, source_parked_at=5))
+    closed = decide_close(parked, acknowledged, move_id=MV, now_ms=9)
+    assert isinstance(closed, Record) and closed.last_move == LastMove(id=MV, outcome="aborted", at=9)
+
+
+async def test_an_aborted_move_closes_on_the_source(
+    parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
+) -> None:
+    """The whole abort on the real stack: the recovery pass writes the claim half, the target parks its staging
+    lane after the horizon, the source retires its snapshots by exact versions and closes (record first,
+    ``last_move = aborted``), and the claim serves on the source again with nothing owed."""
+    store, events, bucket = parts
+    host = f"{unique('abort')}.example.com"
+    clock = ManualClock(EVIDENCE + 1_000)
+    ledger = Ledger(store, events, clock, Actor(service="finalize", pid=1, nonce="t"), bucket)
+    await put(ledger, moving_claim(host))
+    await put(ledger, aborted_record(host, at=EVIDENCE))
+    await seed(store, bucket, f"moves/{host}/{MV}/")
+    snapshots = f"move-snapshots/{host}/{MV}/"
+    await store.put(bucket, snapshots + "timers.json", b"[]")
+    await store.put(bucket, snapshots + "timers.json", b"[1]")
+    await RecoveryPass(ledger, events).run_once()
+    claim = (await ledger.read_claim(host)).state
+    assert claim is not None and claim.op.phase == "aborted" and [o.kind for o in claim.obligations] == [
+        "park-staging"]
+    parker = Parker(store, bucket, clock)
+    source = Finalizer("ie-1", ledger, parker, events=events)
+    target = Finalizer("uk-1", ledger, parker, events=events)
+    early = await target.staging_park(host, MV)
+    assert not early.done and early.wake_at is not None, "no acknowledgement before evidence_at + H"
+    clock.advance(H)
+    assert (await target.staging_park(host, MV)).done, "the target's part is over; the source closes"
+    assert (await ledger.read_record(host)).state.move is not None  # type: ignore[union-attr]
+    done = await source.abort_source_park(host, MV)
+    assert done.done and done.reason.startswith("closed: last_move aborted"), done.reason
+    record = (await ledger.read_record(host)).state
+    claim = (await ledger.read_claim(host)).state
+    assert record is not None and record.move is None and record.last_move is not None
+    assert record.last_move.outcome == "aborted"
+    assert claim is not None and (claim.op.kind, claim.op.exec, claim.obligations) == ("serving", "ie-1", ())
+    assert await store.list_versions(bucket, snapshots) == [], "every snapshot version is gone"
+    lane = f"moves/{host}/{MV}/"
+    assert member_versions(await store.list_versions(bucket, lane), lane) == []
+    assert (await source.abort_source_park(host, MV)).done, "a replay after the close changes nothing"

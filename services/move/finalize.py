@@ -13,6 +13,12 @@ by the target box, scoped to the staging lane ``moves/<host>/<op>/``.
   target as ``exec`` (K8), which is :func:`services.move.follow.claim_half`, so the console's recovery pass
   finishes a close that crashed between the two CASes.
 
+**An abort** (§7.11) ends the same way: the door's record CAS ``state = aborted``; the claim half adds a
+``park-staging`` owned by the target (:func:`services.move.follow.claim_half`, claim phase ``aborted``); the target
+parks its staging lane; the source retires its own ``move-snapshots/<host>/<op>/`` by exact versions and stamps
+``source_parked_at``; then the close, record first (``last_move = aborted``), and the release to ``serving`` with the
+source still ``exec``.
+
 The deciders are pure. Every step revalidates the claim first (K5) and every step is idempotent: the park's
 journal is its manifests in the bucket, the CASes are conditional and decide NoChange when already done.
 """
@@ -41,6 +47,7 @@ from services.move.follow import claim_half
 from services.move.guards import live_move, step_allowed
 from services.move.park import Acknowledged, Parker
 from services.source.lease import LeaseTiming, StagingStopped, StagingWork
+from services.source.staging import snapshot_prefix
 
 log = logging.getLogger("hostmove.finalize")
 
@@ -54,16 +61,24 @@ rules.register(
 
 PARK_SUPERSEDED = "park-superseded"
 PARK_STAGING = "park-staging"
-_FINAL_KINDS = frozenset({"landing"})
-_FINAL_PHASES = frozenset({"committed"})
+_ENDINGS: dict[str, tuple[str, str, str]] = {
+    "committed": ("landing", "committed", "done"),  # §7.9
+    "aborted": ("moving", "aborted", "aborted"),  # §7.11
+}
+"""For each record state a move ends from: the claim's op kind and phase while it finalizes, and the outcome."""
 
 
 # -- pure deciders ----------------------------------------------------------------------------------------
 
 
 def finalization_refused(claim: Claim | None, move_id: str) -> str | None:
-    """K5 (§19.2): a finalization step runs only while the claim holds this move at ``landing/committed``."""
-    return step_allowed(claim, op_id=move_id, kinds=_FINAL_KINDS, phases=_FINAL_PHASES)
+    """K5 (§19.2): a finalization step runs only while the claim holds this move at ``landing/committed``, or
+    ``moving/aborted`` for an abort."""
+    op_kind = claim.op.kind if claim is not None else ""
+    for kind, phase, _outcome in _ENDINGS.values():
+        if kind == op_kind:
+            return step_allowed(claim, op_id=move_id, kinds={kind}, phases={phase})
+    return step_allowed(claim, op_id=move_id, kinds={k for k, _p, _o in _ENDINGS.values()})
 
 
 def pending(claim: Claim | None, *, move_id: str, kind: str, owner: str) -> Obligation | None:
@@ -84,8 +99,8 @@ def decide_source_parked(record: Record | None, *, move_id: str, incarnation: st
     move = live_move(record, move_id, incarnation)
     if record is None or move is None:
         return Refusal(f"the record no longer holds move {move_id}; the source park is not recorded")
-    if move.state != "committed":
-        return Refusal(f"the move is {move.state}, not committed; the source does not park its location")
+    if move.state not in _ENDINGS:
+        return Refusal(f"the move is {move.state}, not committed or aborted; the source does not park")
     if move.source_parked_at is not None:
         return NoChange("source_parked_at is already stamped")
     return msgspec.structs.replace(
@@ -110,7 +125,7 @@ def decide_drop_obligation(claim: Claim | None, *, move_id: str, kind: str, owne
 
 def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, now_ms: int
                  ) -> Record | NoChange | Refusal:
-    """Record CAS clearing ``move`` into ``last_move = done`` (§7.9 step 5, ruling M4)."""
+    """Record CAS clearing ``move`` into ``last_move`` (``done`` §7.9 step 5, ``aborted`` §7.11; ruling M4)."""
     if record is not None and record.move is None and record.last_move is not None and record.last_move.id == move_id:
         return NoChange("the record is already closed")
     why = finalization_refused(claim, move_id)
@@ -119,17 +134,19 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
     move = live_move(record, move_id, claim.holder.incarnation)
     if record is None or move is None:
         return Refusal(f"the record no longer holds move {move_id}")
-    if move.state != "committed":
-        return Refusal(f"the move is {move.state}, not committed; it does not close as done")
+    ending = _ENDINGS.get(move.state)
+    if ending is None:
+        return Refusal(f"the move is {move.state}, not committed or aborted; it does not close here")
     if rules.on("close-record-first"):
         left = sorted(o.kind for o in claim.obligations if o.op == move_id)
         if left:
             return NoChange(f"waiting for {', '.join(left)} to be acknowledged")
-        if move.opened_at is None:
+        if ending[2] == "done" and move.opened_at is None:
             return NoChange("waiting for the target to open")
         if move.source_parked_at is None:
             return NoChange("waiting for the source to record its park")
-    return msgspec.structs.replace(record, move=None, last_move=LastMove(id=move_id, outcome="done", at=now_ms))
+    last = LastMove(id=move_id, outcome="done" if ending[2] == "done" else "aborted", at=now_ms)
+    return msgspec.structs.replace(record, move=None, last_move=last)
 
 
 # -- the source's local park ---------------------------------------------------------------------------------
@@ -212,6 +229,45 @@ class Finalizer:
         """§7.9 step 3 on the source box."""
         return await self._park(host, move_id, PARK_SUPERSEDED)
 
+    async def follow(self, host: str) -> None:
+        """Write the claim half the record has decided, when the claim does not follow it yet (§7.5): either
+        participant may, as the console's recovery pass may; the CAS makes it once."""
+        claim = (await self.ledger.read_claim(host)).state
+        record = (await self.ledger.read_record(host)).state
+        if isinstance(claim_half(claim, record), Claim):
+            await self.ledger.transition("claim", host, "move-follow", lambda cur: claim_half(cur, record))
+
+    async def abort_source_park(self, host: str, move_id: str) -> StepReport:
+        """§7.11 on the source box: retire its own ``move-snapshots/<host>/<op>/`` by exact versions (ruling K19:
+        every version through ``DeleteVersion``; an abort before ``admitted`` normally finds none), stamp
+        ``source_parked_at``, then the close (which waits for the target's ``park-staging``)."""
+        await self.follow(host)
+        claim = (await self.ledger.read_claim(host)).state
+        record = (await self.ledger.read_record(host)).state
+        if record is not None and record.last_move is not None and record.last_move.id == move_id:
+            return await self.close(host, move_id)
+        why = finalization_refused(claim, move_id)
+        if why is not None or claim is None or claim.holder is None or record is None or record.move is None:
+            return StepReport(False, why or "the claim or the record holds no move")
+        if record.move.state != "aborted":
+            return StepReport(False, f"the move is {record.move.state}, not aborted")
+        if record.move.source_parked_at is None:
+            store, bucket = self.parker.store, self.parker.bucket
+            for v in await store.list_versions(bucket, snapshot_prefix(host, move_id)):
+                await store.delete(bucket, v.key, version_id=v.version_id)
+            incarnation, now = claim.holder.incarnation, self.ledger.clock.now_ms()
+
+            def stamp(cur: Record | None) -> Record | NoChange | Refusal:
+                return decide_source_parked(cur, move_id=move_id, incarnation=incarnation, now_ms=now)
+
+            out = await self.ledger.transition("record", host, "source-parked", stamp, causation=move_id)
+            if isinstance(out, Refusal):
+                return StepReport(False, out.reason)
+            if not isinstance(out, Committed | NoChange):
+                return StepReport(False, "another writer changed the record; the step runs again")
+            self._fault("after_source_parked")
+        return await self.close(host, move_id)
+
     async def staging_park(self, host: str, move_id: str) -> StepReport:
         """§7.9 step 4 on the target box, under the staging-work lease when one is configured."""
         if self.staging_lease is None or not rules.on("staging-lease"):
@@ -277,22 +333,26 @@ class Finalizer:
     async def close(self, host: str, move_id: str) -> StepReport:
         """§7.9 step 5: record first, then the claim's release (K8). Harmless to call at any time."""
         claim = (await self.ledger.read_claim(host)).state
+        before = (await self.ledger.read_record(host)).state
         now = self.ledger.clock.now_ms()
 
         def close_record(cur: Record | None) -> Record | NoChange | Refusal:
             return decide_close(cur, claim, move_id=move_id, now_ms=now)
 
-        out = await self.ledger.transition("record", host, "move-done", close_record, causation=move_id)
+        aborted = before is not None and before.move is not None and before.move.state == "aborted"
+        name = "move-aborted" if aborted else "move-done"  # the journal says how it ended (§7.9 step 5, §7.11)
+        out = await self.ledger.transition("record", host, name, close_record, causation=move_id)
         if isinstance(out, Refusal):
             return StepReport(False, out.reason)
         if isinstance(out, NoChange) and out.reason != "the record is already closed":
             return StepReport(True, out.reason)  # this box's part is over; the other participant closes
         if not isinstance(out, Committed | NoChange):
             return StepReport(False, "another writer changed the record; the close runs again")
-        if isinstance(out, Committed):
-            await self._fact("move-done", host, f"{move_id}:done", {"move": move_id, "outcome": "done"})
-        self._fault("after_record_close")
         record = (await self.ledger.read_record(host)).state
+        outcome = record.last_move.outcome if record is not None and record.last_move is not None else "done"
+        if isinstance(out, Committed):
+            await self._fact(f"move-{outcome}", host, f"{move_id}:{outcome}", {"move": move_id, "outcome": outcome})
+        self._fault("after_record_close")
 
         def release(cur: Claim | None) -> Claim | NoChange | Refusal:
             return claim_half(cur, record)
@@ -302,7 +362,8 @@ class Finalizer:
             return StepReport(False, rel.reason)
         if not isinstance(rel, Committed | NoChange):
             return StepReport(False, "another writer changed the claim; the release runs again")
-        return StepReport(True, "closed: last_move done, the claim serves on the target")
+        where = "the target" if outcome == "done" else "the source"
+        return StepReport(True, f"closed: last_move {outcome}, the claim serves on {where}")
 
     async def _fact(self, kind: str, host: str, fact_id: str, payload: dict[str, object]) -> None:
         if self.events is None:

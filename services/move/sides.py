@@ -41,8 +41,8 @@ from services.target.worker import LandingWorker
 
 log = logging.getLogger("hostmove.move.sides")
 
-Stage = Literal["request", "preparing", "cutting", "landing", "opening", "finalizing", "done"]
-STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "finalizing", "done")
+Stage = Literal["request", "preparing", "cutting", "landing", "opening", "aborting", "finalizing", "done"]
+STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "aborting", "finalizing", "done")
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,9 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
     if record.move is None:
         last = record.last_move
         if last is not None and last.id == move_id:
-            if last.outcome != "done":
-                return "done", f"the move ended {last.outcome}, not done"
-            if claim is not None and claim.op.kind == "serving":
-                return "done", ""
-            return "finalizing", "the record is closed; the claim's release is next"
+            if claim is not None and claim.op.id == move_id and claim.op.kind != "serving":
+                return "finalizing", "the record is closed; the claim's release is next"
+            return "done", "" if last.outcome == "done" else f"the move ended {last.outcome}, not done"
         return "request", "the record holds no move"
     move = record.move
     if move.id != move_id:
@@ -134,6 +132,8 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
         return "landing", ""
     if move.state == "committed":
         return ("finalizing", "") if move.opened_at is not None else ("opening", "")
+    if move.state == "aborted":  # §7.11: the parks, then the close and the release to the source
+        return "aborting", move.reason
     return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
 
 
@@ -218,6 +218,8 @@ class SourceRunners:
                 out = await self.cut.run(host, move.id, move.incarnation)
                 return SideStep(progressed=out.progressed, wait="the target lands")
             return SideStep(wait="the target lands")
+        if stage == "aborting" and move is not None:
+            return _park_step(await self.final.abort_source_park(host, move.id))
         if stage == "finalizing":
             return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
@@ -265,7 +267,9 @@ class TargetRunners:
             if step.outcome in ("blocked", "rolled_back", "stopped"):
                 return SideStep(stop=step.detail)
             return SideStep(progressed=True)
-        if stage == "finalizing":
+        if stage == "aborting":
+            await self.final.follow(host)  # the abort's claim half owes this box the staging park (§7.11)
+        if stage in ("aborting", "finalizing"):
             return _park_step(await self.final.staging_park(host, _finalizing_id(record)))
         return SideStep()
 
