@@ -127,6 +127,9 @@ COPY: dict[str, Copy] = _table(
     ("M-S5", "door", "The last move of {host} ({move_id}) ended: {outcome}."),
     ("M-S6", "door", "{host} is serving on {box}. No move is in progress."),
     ("M-S7", "door", "{host} is {kind} ({phase})."),
+    ("M-S8", "door",
+     "The cut of {host} did not finish in time: {reason}. Moving it back to {from_region}, where it serves again "
+     "once its recovery opens."),
 )
 
 

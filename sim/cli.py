@@ -152,7 +152,9 @@ def _cmd_moves(args: argparse.Namespace) -> int:
         failed = bool(result.violations or result.error)
         bad += failed
         print(f"moves seed={seed} steps={result.steps} trace={result.trace_hash} "
-              f"moves_done={result.counters.get('moves_done', 0)} {'FAILED' if failed else 'ok'}")
+              f"moves_done={result.counters.get('moves_done', 0)} "
+              f"moves_aborted={result.counters.get('moves_aborted', 0)} "
+              f"moves_reverted={result.counters.get('moves_reverted', 0)} {'FAILED' if failed else 'ok'}")
         for line in lines[:-1]:
             print("  " + line)
         if failed and args.trace:

@@ -57,6 +57,7 @@ from services.move import park as parking
 from services.move.sides import Timings
 from services.recovery.recovery import RecoveryPass
 from services.source import phases as source_phases
+from services.source.staging import snapshot_prefix
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeApp, ProcessApp
 from services.target.worker import staging_prefix
@@ -92,6 +93,7 @@ class MovePlan:
     at: float
     cut: str  # "auto" or "manual"
     cut_at: float  # a manual cut's time
+    abort_at: float | None = None  # the operator aborts then (§7.11: legal until the cut is admitted)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class WritePlan:
 
 def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tuple[MovePlan, ...], tuple[WritePlan,
                                                                                                           ...]]:
-    """Each host moves once to the other region (automatic or manual cut) and takes writes throughout."""
+    """Each host moves once to the other region (automatic or manual cut; the operator tries to abort one in five)
+    and takes writes throughout."""
     moves = []
     writes = []
     for h in workload.hosts:
@@ -110,7 +113,8 @@ def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tup
             to = next(r for r in REGIONS if r != h.region)
             at = h.at + plan.uniform("moves.request_after", 120, timing.chaos_s / 2)
             cut = "manual" if plan.chance("moves.manual_cut", 0.3) else "auto"
-            moves.append(MovePlan(h.host, to, at, cut, at + plan.uniform("moves.cut_after", 30, 900)))
+            abort_at = at + plan.uniform("moves.abort_after", 1, 900) if plan.chance("moves.abort", 0.2) else None
+            moves.append(MovePlan(h.host, to, at, cut, at + plan.uniform("moves.cut_after", 30, 900), abort_at))
         for _ in range(plan.randint("moves.writes", 3, 12)):
             writes.append(WritePlan(h.host, plan.uniform("moves.write_at", h.at, timing.chaos_s + 600)))
     writes.sort(key=lambda w: (w.at, w.host))
@@ -241,6 +245,7 @@ class MoveConsole(ConsoleActor):
         self.recovery = RecoveryPass(self.ledger, self.events)
         self.asked: set[str] = set()
         self.cut: set[str] = set()
+        self.aborted: set[str] = set()
 
     async def relay(self) -> None:
         await super().relay()
@@ -270,6 +275,12 @@ class MoveConsole(ConsoleActor):
                     if answer.status == 200 or (record is not None and record.move is not None
                                                 and record.move.state not in ("preparing", "ready")):
                         self.cut.add(m.host)
+                if m.abort_at is not None and m.abort_at <= now and m.host in self.asked \
+                        and m.host not in self.aborted:
+                    answer = await self.door.abort(m.host, OPERATOR)
+                    self.emit(f"door: abort {m.host}: {answer.status} {answer.body.get('reason', '')}")
+                    if answer.status in (200, 409):  # 409: past the cut's admission, or already over
+                        self.aborted.add(m.host)
             except (*EXPECTED, Unreadable) as exc:
                 self.emit(f"door request for {m.host} failed: {type(exc).__name__}: {exc}")
 
@@ -486,12 +497,16 @@ class MoveWorld(World):
             last = record.last_move
             if record.move is not None or last is None:
                 continue
+            prefixes = [staging_prefix(host, last.id)]
+            if last.outcome == "aborted":  # §7.11: the source retires its own snapshots
+                prefixes.append(snapshot_prefix(host, last.id))
             for region in REGIONS:
-                left = await self.admin.list_versions(region_bucket(region), staging_prefix(host, last.id))
-                if left:
-                    self.checker.flag("INV-10", f"{len(left)} versions left under {region_bucket(region)}/"
-                                                f"{staging_prefix(host, last.id)} after move {last.id} of {host} "
-                                                f"closed {last.outcome} (first {left[0].key})")
+                for prefix in prefixes:
+                    left = await self.admin.list_versions(region_bucket(region), prefix)
+                    if left:
+                        self.checker.flag("INV-10", f"{len(left)} versions left under {region_bucket(region)}/"
+                                                    f"{prefix} after move {last.id} of {host} closed {last.outcome} "
+                                                    f"(first {left[0].key})")
 
     def _inv2(self) -> None:
         for plan in self.workload.hosts:
@@ -538,8 +553,9 @@ class MoveWorld(World):
             yield
 
     def extra_counters(self) -> dict[str, int]:
-        done = sum(1 for r in self.records.values() if r.last_move is not None and r.last_move.outcome == "done")
-        return {"moves_done": done, "writes_acknowledged": len(self.acks)}
+        ended = [r.last_move.outcome for r in self.records.values() if r.last_move is not None]
+        return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
+                "moves_reverted": ended.count("rolled_back"), "writes_acknowledged": len(self.acks)}
 
     def cleanup(self) -> None:
         if self.workdir is not None:

@@ -124,6 +124,27 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_dea
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
 
 
+async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str) -> None:
+    """The move closed record first as ``outcome`` and the claim serves on ie again with nothing owed (K8)."""
+
+    async def closed() -> bool:
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        return (record is not None and record.move is None and record.last_move is not None
+                and record.last_move.id == move_id and claim is not None and claim.op.kind == "serving")
+
+    try:
+        await eventually(closed, f"the move {move_id} to close {outcome}", 90)
+    except AssertionError:
+        record, claim = (await w.ledger.read_record(host)).state, (await w.ledger.read_claim(host)).state
+        logs = "\n".join(a.output()[-4000:] for a in w.agents.values())
+        raise AssertionError(f"not closed; record {record}\nclaim {claim}\n{logs}") from None
+    record = (await w.ledger.read_record(host)).state
+    claim = (await w.ledger.read_claim(host)).state
+    assert record is not None and record.last_move is not None and record.last_move.outcome == outcome
+    assert claim is not None and claim.op.exec == w.labels["ie"] and claim.obligations == ()
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_agents_carry_out_a_move_on_events(stack: StackInfo, unique: Callable[[str], str],
                                                  shared: tuple[S3Store, NatsEventLog, str], tmp_path: Path) -> None:
@@ -249,25 +270,55 @@ async def test_an_aborted_move_closes_and_the_source_keeps_serving(stack: StackI
         aborted = await door.abort(host, Identity("op", "operator"))
         assert aborted.status == 200, aborted.body
 
-        async def closed() -> bool:
-            record = (await w.ledger.read_record(host)).state
-            claim = (await w.ledger.read_claim(host)).state
-            return (record is not None and record.move is None and record.last_move is not None
-                    and record.last_move.id == move_id and claim is not None and claim.op.kind == "serving")
-
-        try:
-            await eventually(closed, "the aborted move to close", 90)
-        except AssertionError:
-            record, claim = (await w.ledger.read_record(host)).state, (await w.ledger.read_claim(host)).state
-            logs = "\n".join(a.output()[-3000:] for a in w.agents.values())
-            raise AssertionError(f"not closed; record {record}\nclaim {claim}\n{logs}") from None
-        record = (await w.ledger.read_record(host)).state
-        claim = (await w.ledger.read_claim(host)).state
-        assert record is not None and record.last_move is not None and record.last_move.outcome == "aborted"
-        assert claim is not None and claim.op.exec == w.labels["ie"] and claim.obligations == ()
+        await closed_on_ie(w, host, move_id, "aborted")
         assert await w.store.list_keys(f"{w.prefix}-uk", lane) == [], "the staging lane is parked"
         port = await serving_port(w, "ie", host)
         seq = await asyncio.to_thread(post_write, port, "after the abort")
+        acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
+        assert acks[-1].seq == seq
+        assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
+        assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_cut_past_its_deadline_reverts_to_the_source(stack: StackInfo, unique: Callable[[str], str],
+                                                             shared: tuple[S3Store, NatsEventLog, str],
+                                                             tmp_path: Path) -> None:
+    """§7.4 ``reverting`` on the real stack: the source's agent dies by SIGKILL right after journaling
+    ``stopping`` and comes back only after the cut's deadline. The restarted agent does not go on with the cut:
+    it records the revert, takes the stop evidence under a ``restoring`` hold, starts the instance again on ie (a
+    new admission), opens it, and once the target has parked its staging lane the move closes record first as
+    ``rolled_back`` and the claim serves on ie. Every acknowledged write is served on ie; the audit is clean."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"ie": {ENV: "after_cas:record:cut-stopping@1"}}) as w:
+        host = f"{unique('rev')}.example.com"
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        agent = w.agents["ie"]
+
+        async def died() -> bool:
+            return not agent.alive()
+
+        await eventually(died, "the source agent's death after journaling stopping", 60)
+        assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
+
+        async def past_deadline() -> bool:
+            record = (await w.ledger.read_record(host)).state
+            move = record.move if record is not None else None
+            assert move is not None and move.cut_phase == "stopping", move
+            return move.cut_deadline is not None and time.time() * 1000 > move.cut_deadline + 500
+
+        await eventually(past_deadline, "the cut's deadline to pass while the source is down", 60)
+        agent.start()
+
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        assert await w.store.list_keys(f"{w.prefix}-uk", f"moves/{host}/{move_id}/") == []
+        assert await w.store.list_keys(f"{w.prefix}-ie", f"move-snapshots/{host}/{move_id}/") == []
+        port = await serving_port(w, "ie", host, timeout_s=60)
+        seq = await asyncio.to_thread(post_write, port, "after the revert")
         acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
         assert acks[-1].seq == seq
         assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []

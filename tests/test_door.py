@@ -375,7 +375,8 @@ def test_status_lines_follow_the_move() -> None:
     rec, claim = record_in("preparing")
     assert status_line(HOST, claim, rec) == ("M-C2", say("M-C2", host=HOST))
     assert [state_line("ready"), state_line("ready", cut="auto"), state_line("cutting", "requested"),
-            state_line("cutting", "stopping"), state_line("aborted")] == ["M-C12", "M-S4", "M-S1", "M-C13", "M-S2"]
+            state_line("cutting", "stopping"), state_line("aborted"), state_line("reverting", "stopping")] == [
+        "M-C12", "M-S4", "M-S1", "M-C13", "M-S2", "M-S8"]
     landing, claim = record_in("landing", "flipped")
     assert status_line(HOST, claim, landing) == ("M-C6", "Stopped in ie. Starting in uk.")
     pinned = msgspec.structs.replace(claim, op=Op(kind="relocating", phase="pinning", intent={"from": "ie"}))

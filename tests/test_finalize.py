@@ -490,7 +490,7 @@ async def test_an_aborted_move_closes_on_the_source(
     clock.advance(H)
     assert (await target.staging_park(host, MV)).done, "the target's part is over; the source closes"
     assert (await ledger.read_record(host)).state.move is not None  # type: ignore[union-attr]
-    done = await source.abort_source_park(host, MV)
+    done = await source.source_park_unmoved(host, MV)
     assert done.done and done.reason.startswith("closed: last_move aborted"), done.reason
     record = (await ledger.read_record(host)).state
     claim = (await ledger.read_claim(host)).state
@@ -500,4 +500,4 @@ async def test_an_aborted_move_closes_on_the_source(
     assert await store.list_versions(bucket, snapshots) == [], "every snapshot version is gone"
     lane = f"moves/{host}/{MV}/"
     assert member_versions(await store.list_versions(bucket, lane), lane) == []
-    assert (await source.abort_source_park(host, MV)).done, "a replay after the close changes nothing"
+    assert (await source.source_park_unmoved(host, MV)).done, "a replay after the close changes nothing"

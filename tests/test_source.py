@@ -543,9 +543,11 @@ async def test_nothing_proceeds_past_the_cut_deadline(world: World) -> None:
     assert r.move is not None and r.move.cut_deadline == clock.now_ms() + 11_500
     clock.advance(11_501)
     out: StepResult = await world.worker().run(world.host, world.move_id, INC)
-    assert out.step.kind == "deadline" and not out.progressed
+    assert out.step.kind == "deadline" and not out.progressed and "reverting" in out.reason
     r, c = await world.state()
-    assert r.move is not None and (r.move.state, r.move.cut_phase) == ("cutting", "admitted")
+    # §7.4: exceeding the deadline before the commit starts recovery: the cut records the revert and stops there
+    assert r.move is not None and (r.move.state, r.move.cut_phase) == ("reverting", "admitted")
+    assert "cut deadline passed at admitted" in r.move.reason
     assert c.op.exec == SRC and world.stops == 0, "nothing was stopped past the deadline"
     row = world.registry.get(world.host)
     assert row is not None and row.hold_op == ""

@@ -246,15 +246,23 @@ class Activator:
         record's, read under the guard)."""
         if claim is None or claim.holder is None:
             return f"{host} has no claim holder; nothing may start"
+        row = self.ctx.registry.get(host)
+        recovery_probe = False
         if claim.op.kind == "moving" and rules.on("source-serves-before-stopping"):
             if cut_phase not in SOURCE_SPAWNS_IN:
                 return f"{host} is being cut ({cut_phase or 'no move in the record'}); the source does not start it"
+        elif claim.op.kind == "reverting":  # §7.4 reverting: the recovery's probe under its own hold, then open
+            phase = claim.op.journal.get("rev_phase")
+            if phase not in ("probing", "probed", "opened"):
+                return f"{host} is reverting and its recovery has not reached its probe"
+            if phase != "opened" and (row is None or row.status != "restoring" or row.hold_op != claim.op.id):
+                return f"{host} is reverting but its route is not held restoring by {claim.op.id}"
+            recovery_probe = phase != "opened"
         elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
         if claim.op.exec != self.ctx.label:
             return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
-        row = self.ctx.registry.get(host)
-        if row is not None and is_held(row.status):
+        if row is not None and is_held(row.status) and not recovery_probe:
             return f"{host} is held ({row.status}) by operation {row.hold_op}"
         if row is not None and row.status == "failed":
             return f"{host} failed to start and waits for an operator to clear it"

@@ -372,7 +372,10 @@ def status_line(host: str, claim: Claim | None, record: Record | None) -> tuple[
         if move.state == "landing":
             return "M-C6", say("M-C6", from_region=move.from_, to_region=move.to)
         if move.state == "aborted":
-            return "M-S2", say("M-S2", host=host, from_region=move.from_)
+            return "M-S2", say("M-S2", host=host, from_region=move.from_ or "its region")
+        if move.state == "reverting":  # §7.4 reverting
+            return "M-S8", say("M-S8", host=host, reason=move.reason.rstrip(".") or "the cut stopped",
+                               from_region=move.from_ or "its region")
     if move is None and record is not None and record.last_move is not None and op.kind == "serving":
         last = record.last_move
         return "M-S5", say("M-S5", host=host, move_id=last.id, outcome=last.outcome.replace("_", " "))

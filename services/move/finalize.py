@@ -29,6 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -64,6 +65,7 @@ PARK_STAGING = "park-staging"
 _ENDINGS: dict[str, tuple[str, str, str]] = {
     "committed": ("landing", "committed", "done"),  # §7.9
     "aborted": ("moving", "aborted", "aborted"),  # §7.11
+    "reverting": ("reverting", "", "rolled_back"),  # §7.4 reverting, once its journal says opened
 }
 """For each record state a move ends from: the claim's op kind and phase while it finalizes, and the outcome."""
 
@@ -143,10 +145,13 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
             return NoChange(f"waiting for {', '.join(left)} to be acknowledged")
         if ending[2] == "done" and move.opened_at is None:
             return NoChange("waiting for the target to open")
+        if ending[2] == "rolled_back" and claim.op.journal.get("rev_phase") != "opened":
+            return NoChange("waiting for the source's recovery to open")
         if move.source_parked_at is None:
             return NoChange("waiting for the source to record its park")
-    last = LastMove(id=move_id, outcome="done" if ending[2] == "done" else "aborted", at=now_ms)
-    return msgspec.structs.replace(record, move=None, last_move=last)
+    outcome: Literal["done", "rolled_back", "aborted"] = (
+        "done" if ending[2] == "done" else "rolled_back" if ending[2] == "rolled_back" else "aborted")
+    return msgspec.structs.replace(record, move=None, last_move=LastMove(id=move_id, outcome=outcome, at=now_ms))
 
 
 # -- the source's local park ---------------------------------------------------------------------------------
@@ -237,10 +242,11 @@ class Finalizer:
         if isinstance(claim_half(claim, record), Claim):
             await self.ledger.transition("claim", host, "move-follow", lambda cur: claim_half(cur, record))
 
-    async def abort_source_park(self, host: str, move_id: str) -> StepReport:
-        """§7.11 on the source box: retire its own ``move-snapshots/<host>/<op>/`` by exact versions (ruling K19:
-        every version through ``DeleteVersion``; an abort before ``admitted`` normally finds none), stamp
-        ``source_parked_at``, then the close (which waits for the target's ``park-staging``)."""
+    async def source_park_unmoved(self, host: str, move_id: str) -> StepReport:
+        """The source's part of a move that did not move, aborted (§7.11) or reverted once its recovery opened
+        (§7.4): retire its own ``move-snapshots/<host>/<op>/`` by exact versions (ruling K19: every version
+        through ``DeleteVersion``; F3 keeps the snapshots of completed moves only), stamp ``source_parked_at``, then
+        the close (which waits for the target's ``park-staging``)."""
         await self.follow(host)
         claim = (await self.ledger.read_claim(host)).state
         record = (await self.ledger.read_record(host)).state
@@ -249,8 +255,10 @@ class Finalizer:
         why = finalization_refused(claim, move_id)
         if why is not None or claim is None or claim.holder is None or record is None or record.move is None:
             return StepReport(False, why or "the claim or the record holds no move")
-        if record.move.state != "aborted":
-            return StepReport(False, f"the move is {record.move.state}, not aborted")
+        if record.move.state not in ("aborted", "reverting"):
+            return StepReport(False, f"the move is {record.move.state}, not aborted or reverting")
+        if record.move.state == "reverting" and claim.op.journal.get("rev_phase") != "opened":
+            return StepReport(False, "the source's recovery has not opened yet")
         if record.move.source_parked_at is None:
             store, bucket = self.parker.store, self.parker.bucket
             for v in await store.list_versions(bucket, snapshot_prefix(host, move_id)):
@@ -339,8 +347,8 @@ class Finalizer:
         def close_record(cur: Record | None) -> Record | NoChange | Refusal:
             return decide_close(cur, claim, move_id=move_id, now_ms=now)
 
-        aborted = before is not None and before.move is not None and before.move.state == "aborted"
-        name = "move-aborted" if aborted else "move-done"  # the journal says how it ended (§7.9 step 5, §7.11)
+        state = before.move.state if before is not None and before.move is not None else ""
+        name = {"aborted": "move-aborted", "reverting": "move-reverted"}.get(state, "move-done")  # how it ended
         out = await self.ledger.transition("record", host, name, close_record, causation=move_id)
         if isinstance(out, Refusal):
             return StepReport(False, out.reason)

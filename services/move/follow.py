@@ -12,6 +12,7 @@ succeed and neither can write anything the record did not decide.
 | committed                   | landing (not yet)   | phase committed + park-superseded, park-staging    |
 | rolling_back                | landing             | restoring (same op id), exec unchanged             |
 | aborted (§7.11)             | moving              | phase aborted + park-staging owned by the target   |
+| reverting (§7.4)            | moving              | reverting, exec source (cites evidence), park-staging |
 | cleared, ``last_move``      | the op's kind       | serving, exec = the executor the outcome names (K8) |
 """
 
@@ -116,17 +117,27 @@ def claim_half(claim: Claim | None, record: Record | None) -> Claim | NoChange |
         new_obligations = claim.obligations + tuple(o for o in obligations if o not in claim.obligations)
         return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="committed"),
                                        obligations=new_obligations)
-    if op.kind == "moving" and move.state == "aborted" and op.phase != "aborted":
+    if op.kind == "moving" and move.state in ("aborted", "reverting") and op.phase != "aborted":
         if claim.holder is None:
-            return Refusal("an aborted move needs the claim's holder")
-        # §7.11 "Who retires what": the source cannot park the target's staging, so the abort owes a park-staging
-        # owned by the target region's box. Its evidence_at is the abort: a staging writer still signing then holds
-        # the staging-work lease, which the park takes first, so nothing it signed lands after the park.
+            return Refusal(f"a move {move.state} needs the claim's holder")
+        # §7.11 "Who retires what": the source cannot park the target's staging, so the lane is owed a park-staging
+        # owned by the target region's box. Its evidence_at is the seal's bound when the cut sealed the lane, else
+        # the abort or the revert: a staging writer still signing then holds the staging-work lease, which the
+        # park takes first, so nothing it signed lands after the park.
         staging = Obligation(kind="park-staging", op=move.id, region=move.to, owner=target,
                              scope=Scope(location=staging_scope_location(claim.host, move.id),
-                                         incarnation=claim.holder.incarnation, evidence_at=move.updated_at))
+                                         incarnation=claim.holder.incarnation,
+                                         evidence_at=staging_evidence_at(op, move.updated_at)))
         owed = claim.obligations + ((staging,) if staging not in claim.obligations else ())
-        return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="aborted"), obligations=owed)
+        if move.state == "aborted":
+            return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="aborted"), obligations=owed)
+        # §7.4 reverting: execution back to the source; from none only citing its stop evidence (K4)
+        if op.exec == "none" and rules.on("exec-needs-evidence") and not move.source.evidence:
+            return Refusal("the revert names no stop evidence; execution does not return without it (K4)")
+        cite = {"evidence.source": move.source.evidence} if op.exec == "none" else {}
+        first = "evidence" if move.cut_phase in ("admitted", "stopping") else "verify"
+        return msgspec.structs.replace(claim, obligations=owed, op=msgspec.structs.replace(
+            op, kind="reverting", phase="", exec=source, journal=_journal(op, rev_phase=first, **cite)))
     if op.kind == "landing" and move.state == "rolling_back" and move.rollback is not None:
         return msgspec.structs.replace(
             claim,

@@ -35,14 +35,19 @@ from services.source import phases as source_phases
 from services.source.lease import lease_timing
 from services.source.phases import TimingProfile
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
+from services.source.reverting import RevertRunner
 from services.source.worker import SourceBox, SourceWorker
 from services.target.readiness import BoxFacts, report_readiness
 from services.target.worker import LandingWorker
 
 log = logging.getLogger("hostmove.move.sides")
 
-Stage = Literal["request", "preparing", "cutting", "landing", "opening", "aborting", "finalizing", "done"]
-STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "aborting", "finalizing", "done")
+Stage = Literal["request", "preparing", "cutting", "landing", "opening", "aborting", "reverting", "finalizing",
+                "done"]
+STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "aborting", "reverting",
+                             "finalizing", "done")
+UNMOVED: frozenset[Stage] = frozenset({"aborting", "reverting"})
+"""Stages of a move that ends where it started: the target parks its staging lane, the source closes (§7.11, §7.4)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
         return ("finalizing", "") if move.opened_at is not None else ("opening", "")
     if move.state == "aborted":  # §7.11: the parks, then the close and the release to the source
         return "aborting", move.reason
+    if move.state == "reverting":  # §7.4: the source recovers the host, the target parks its lane
+        return "reverting", move.reason
     return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
 
 
@@ -177,6 +184,8 @@ class SourceRunners:
         self.final = Finalizer(
             ctx.label, ledger, parking.Parker(ctx.data_store, ctx.data_bucket, ctx.clock, timing=timings.park),
             events=deployment.events, local_retire=self._local_retire, faults=faults)
+        self.revert = RevertRunner(ctx.label, ledger, ctx.registry, source.timers, source.activator, self.cut,
+                                   self.final, ctx.files_dir)
 
     @property
     def label(self) -> str:
@@ -219,7 +228,12 @@ class SourceRunners:
                 return SideStep(progressed=out.progressed, wait="the target lands")
             return SideStep(wait="the target lands")
         if stage == "aborting" and move is not None:
-            return _park_step(await self.final.abort_source_park(host, move.id))
+            return _park_step(await self.final.source_park_unmoved(host, move.id))
+        if stage == "reverting" and move is not None:
+            rev = await self.revert.run(host, move.id, move.incarnation)
+            if rev.report is not None:
+                return _park_step(rev.report)
+            return SideStep(wait=rev.reason)
         if stage == "finalizing":
             return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
@@ -267,9 +281,9 @@ class TargetRunners:
             if step.outcome in ("blocked", "rolled_back", "stopped"):
                 return SideStep(stop=step.detail)
             return SideStep(progressed=True)
-        if stage == "aborting":
-            await self.final.follow(host)  # the abort's claim half owes this box the staging park (§7.11)
-        if stage in ("aborting", "finalizing"):
+        if stage in UNMOVED:
+            await self.final.follow(host)  # the claim half owes this box the staging park (§7.11, §7.4)
+        if stage in UNMOVED or stage == "finalizing":
             return _park_step(await self.final.staging_park(host, _finalizing_id(record)))
         return SideStep()
 

@@ -18,7 +18,7 @@ The ``sealed`` CAS also records the lane's seal bound ``staging_bound`` (seal ti
 park's ``evidence_at`` (§6.4).
 
 Every phase after ``admitted`` is refused once ``now > cut_deadline`` (§7.4 "One absolute deadline"): the worker
-does nothing and leaves the move to the failure paths (``reverting``, later work).
+records the revert instead and the source recovers the host (:mod:`services.source.revert`, ``reverting``).
 """
 
 from __future__ import annotations

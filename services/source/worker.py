@@ -20,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
@@ -49,7 +50,7 @@ from services.box.timers import drain as drain_timers
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.objstore.port import Got, ObjectStore, StoreError
-from services.source import phases
+from services.source import phases, revert
 from services.source.lease import StagingStopped, StagingWork, lease_timing
 from services.source.phases import Readiness, Step, TimingProfile
 from services.source.staging import MoveMarker, Stager, StagingConflict, create_once, snapshot_prefix
@@ -118,7 +119,12 @@ class SourceWorker:
         step = phases.plan(record, claim, source=box.label, move_id=move_id, incarnation=incarnation, now_ms=now)
         log.info("source step", extra={"host": host, "op": move_id, "box": box.label, "step": step.kind,
                                        "phase": step.phase})
-        if step.kind in ("idle", "blocked", "deadline", "done"):
+        if step.kind == "deadline":  # §7.4: exceeding the deadline before the commit starts recovery
+            reason = f"the cut deadline passed at {step.phase}; the source recovers the host (reverting)"
+            out = await self._record(step, host, "cut-revert", lambda r: revert.decide_revert(
+                r, move_id, incarnation, box.clock.now_ms(), reason))
+            return StepResult(step, False, reason if out.progressed else out.reason)
+        if step.kind in ("idle", "blocked", "done"):
             return StepResult(step, False, step.reason)
         assert record is not None and claim is not None
         if step.kind == "admit":
@@ -222,12 +228,30 @@ class SourceWorker:
         """§7.4 ``stopping`` (replay: ``ReconstructStopEvidence``, §7.13), then the journal write of ``stopped``
         carrying the evidence key and the digests recorded before any phase that can fail."""
         box = self.box
-        if not box.registry.hold(host, "moving", move_id):
-            return StepResult(step, False, f"the route of {host} is held by another operation; the stop waits")
+        got = await self.stop_with_evidence(host, claim, move_id, incarnation, hold="moving")
+        if isinstance(got, str):
+            return StepResult(step, False, got)
+        key, ev = got
+        row = box.registry.get(host)
+        source = {"evidence": key, "db_sha256": ev.db_sha256, "timers_sha256": ev.timers_sha256,
+                  "files": FilesDigest(plain=ev.files_sha256),
+                  "replication": (row.replication if row is not None and row.replication else "stream"),
+                  "next_due": row.next_due if row is not None else 0}
+        return await self._record(step, host, "cut-stopped", lambda r: phases.decide_enter(
+            r, move_id, incarnation, "stopped", box.clock.now_ms(), **source))
+
+    async def stop_with_evidence(self, host: str, claim: Claim, move_id: str, incarnation: str, *,
+                                 hold: Literal["moving", "restoring"]) -> tuple[str, StopEvidence] | str:
+        """Hold the row (``hold``, ``hold_op`` = the move), drain its timers, stop the instance (its final sync),
+        then the stop evidence of §5.3, create-only and reused on replay (K13). Answers ``(key, evidence)``, or
+        why not in plain words. The cut's ``stopping`` and the revert's ``evidence`` phase (§7.4) both use it."""
+        box = self.box
+        if not box.registry.hold(host, hold, move_id):
+            return f"the route of {host} is held by another operation; the stop waits"
         try:
             await drain_timers(box.timers.conn, box.clock, host, timeout_s=self.profile.drain_timeout_s)
         except TimersBusy as exc:
-            return StepResult(step, False, str(exc))
+            return str(exc)
         await box.stop(host)
         checkpoint = box.final_checkpoint or replica_checkpoint_for(box)
         files_dir = box.files_dir(host)
@@ -247,15 +271,8 @@ class SourceWorker:
                                               clock=box.clock, subject=subject, db_path=box.db_path(host),
                                               hooks=hooks, drain_within_s=self.profile.drain_timeout_s)
         if isinstance(got, EvidenceRefused):
-            return StepResult(step, False, got.message)
-        ev = got.evidence
-        row = box.registry.get(host)
-        source = {"evidence": got.key, "db_sha256": ev.db_sha256, "timers_sha256": ev.timers_sha256,
-                  "files": FilesDigest(plain=ev.files_sha256),
-                  "replication": (row.replication if row is not None and row.replication else "stream"),
-                  "next_due": row.next_due if row is not None else 0}
-        return await self._record(step, host, "cut-stopped", lambda r: phases.decide_enter(
-            r, move_id, incarnation, "stopped", box.clock.now_ms(), **source))
+            return got.message
+        return got.key, got.evidence
 
     # -- stopped: timers snapshot, exec -> none (K3) ------------------------------------------------------------
 
