@@ -47,6 +47,7 @@ from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
 from services.box.activator import AppSpec, StartPolicy
+from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.roster import init_box
 from services.door.api import Door, Unreadable
 from services.door.auth import Identity
@@ -55,6 +56,7 @@ from services.ledger.ledger import Crash, Ledger
 from services.ledger.protocol import ProtocolCheck
 from services.move import park as parking
 from services.move.sides import Timings
+from services.objstore.port import StoreError
 from services.recovery.recovery import RecoveryPass
 from services.source import phases as source_phases
 from services.source.staging import snapshot_prefix
@@ -485,6 +487,10 @@ class MoveWorld(World):
         await super().final_oracle()
         self._protocol()
         await self._inv10()
+        # Replication is asynchronous (§5.1): a write is acknowledged after its local commit and uploaded by the
+        # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged.
+        await asyncio.sleep(2 * AGENT_TIMING.sync_interval_s)
+        await self._inv2_cold()  # the first violation ends the run: the stronger form first
         self._inv2()
 
     def _protocol(self) -> None:
@@ -509,30 +515,55 @@ class MoveWorld(World):
                                                     f"(first {left[0].key})")
 
     def _inv2(self) -> None:
+        """INV-2 on the serving box: every acknowledged write is in the database it serves from, unless an
+        admission declared its session lost."""
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None:
                 continue
             db = self.root / "boxes" / claim.op.exec / "data" / f"{plan.host}.db"
-            rows: dict[int, tuple[str, str]] = {}
-            if db.exists():
-                conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-                try:
-                    rows = {seq: (session, value) for seq, session, value in
-                            conn.execute("SELECT seq, session, value FROM rows WHERE kind = 'write'")}
-                except sqlite3.Error:
-                    rows = {}
-                finally:
-                    conn.close()
-            for ack in self.acks:
-                if ack.host != plan.host or rows.get(ack.seq) == (ack.app_session, ack.value):
-                    continue
-                if ack.writer_session is not None and (ack.host, ack.box, ack.writer_session) in self.lost:
-                    continue
-                self.checker.flag("INV-2", f"the acknowledged write {ack.value} (seq {ack.seq}) of {ack.host} by "
-                                           f"{ack.box} session {ack.writer_session} is not in the serving database "
-                                           f"on {claim.op.exec}, and no admission declared that session lost")
-                break
+            self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
+
+    async def _inv2_cold(self) -> None:
+        """INV-2 on a cold restore from the bucket (issue 5 item 5): at quiescence the serving generation, restored
+        with the production restore into a scratch file, holds every acknowledged write not declared lost; what a
+        box served but never uploaded is lost with its disk, which is what this form catches."""
+        for plan in self.workload.hosts:
+            claim = self.checker.claims.get(plan.host)
+            if claim is None or claim.holder is None or claim.op.exec not in self.slots:
+                continue
+            region = claim.op.exec.rsplit("-", 1)[0]
+            scratch = self.root / "inv2-cold" / f"{plan.host}.db"
+            scratch.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                await restore_generation(self.admin, region_bucket(region), claim.holder.location,
+                                         claim.holder.generation, scratch)
+            except (RestoreRefused, StoreError) as exc:
+                self.checker.flag("INV-2", f"the serving generation {claim.holder.generation} of {plan.host} does "
+                                           f"not restore from {region_bucket(region)}: {exc}")
+                continue
+            self._inv2_rows(plan.host, scratch, f"a cold restore of generation {claim.holder.generation}")
+
+    def _inv2_rows(self, host: str, db: Path, where: str) -> None:
+        rows: dict[int, tuple[str, str]] = {}
+        if db.exists():
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                rows = {seq: (session, value) for seq, session, value in
+                        conn.execute("SELECT seq, session, value FROM rows WHERE kind = 'write'")}
+            except sqlite3.Error:
+                rows = {}
+            finally:
+                conn.close()
+        for ack in self.acks:
+            if ack.host != host or rows.get(ack.seq) == (ack.app_session, ack.value):
+                continue
+            if ack.writer_session is not None and (ack.host, ack.box, ack.writer_session) in self.lost:
+                continue
+            self.checker.flag("INV-2", f"the acknowledged write {ack.value} (seq {ack.seq}) of {ack.host} by "
+                                       f"{ack.box} session {ack.writer_session} is not in {where}, and no "
+                                       "admission declared that session lost")
+            break
 
     def stop(self) -> None:
         super().stop()
