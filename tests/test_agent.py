@@ -145,6 +145,19 @@ async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str) -> 
     assert claim is not None and claim.op.exec == w.labels["ie"] and claim.obligations == ()
 
 
+async def still_served_on_ie(w: AgentWorld, host: str, note: str) -> None:
+    """A move that did not move: ie takes a write, every acknowledged write is in its database, nothing runs on
+    uk, and the audit of the host's history is clean."""
+    port = await serving_port(w, "ie", host, timeout_s=60)
+    seq = await asyncio.to_thread(post_write, port, note)
+    acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
+    assert acks[-1].seq == seq
+    assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
+    assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
+    audit = await run_audit(w.events, w.ledger, host=host)
+    assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_agents_carry_out_a_move_on_events(stack: StackInfo, unique: Callable[[str], str],
                                                  shared: tuple[S3Store, NatsEventLog, str], tmp_path: Path) -> None:
@@ -272,14 +285,7 @@ async def test_an_aborted_move_closes_and_the_source_keeps_serving(stack: StackI
 
         await closed_on_ie(w, host, move_id, "aborted")
         assert await w.store.list_keys(f"{w.prefix}-uk", lane) == [], "the staging lane is parked"
-        port = await serving_port(w, "ie", host)
-        seq = await asyncio.to_thread(post_write, port, "after the abort")
-        acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
-        assert acks[-1].seq == seq
-        assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
-        assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
-        audit = await run_audit(w.events, w.ledger, host=host)
-        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+        await still_served_on_ie(w, host, "after the abort")
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -317,11 +323,4 @@ async def test_a_cut_past_its_deadline_reverts_to_the_source(stack: StackInfo, u
         await closed_on_ie(w, host, move_id, "rolled_back")
         assert await w.store.list_keys(f"{w.prefix}-uk", f"moves/{host}/{move_id}/") == []
         assert await w.store.list_keys(f"{w.prefix}-ie", f"move-snapshots/{host}/{move_id}/") == []
-        port = await serving_port(w, "ie", host, timeout_s=60)
-        seq = await asyncio.to_thread(post_write, port, "after the revert")
-        acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
-        assert acks[-1].seq == seq
-        assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
-        assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
-        audit = await run_audit(w.events, w.ledger, host=host)
-        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+        await still_served_on_ie(w, host, "after the revert")
