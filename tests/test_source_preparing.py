@@ -295,7 +295,7 @@ class World:
                         intent={"to": "uk", "target": TGT}),
                   touched=Touched(regions=("ie",), boxes=(SRC,)))
         m = Move(id=self.move_id, incarnation=INC, to="uk", from_="ie", state="preparing",
-                 cut=cut)  # type: ignore[arg-type]
+                 cut=cut, requested_at=self.clock.now_ms())  # type: ignore[arg-type]
         ledger = self.ledger()
         for obj, state in (("claim", c), ("record", Record(host=self.host, gen=1, move=m))):
             out = await ledger.transition(obj, self.host, "test-setup", lambda cur, s=state: s)  # type: ignore
@@ -448,6 +448,32 @@ async def test_a_round_over_the_bar_keeps_preparing_until_a_round_fits(make_worl
     fits = await w.runner(small).run(w.host, w.move_id, INC)
     assert fits.observed is not None and fits.observed.round_bytes == 0, "nothing new: the round copies nothing"
     assert fits.state == "ready"
+
+
+async def test_a_move_never_ready_within_its_prepare_bound_aborts_itself(make_world: Any) -> None:
+    """§7.11: readiness never comes (the source's readiness path does not answer); one prepare bound after the
+    request the source records the abort with the reason, so the abort's close runs with no human. A move that
+    was ready (a manual cut waiting for its operator) never aborts itself."""
+    w: World = await make_world(url=closed_port_url())
+    await w.target_ready()
+    assert (await w.runner().run(w.host, w.move_id, INC)).state == "preparing"
+    requested = (await w.move()).requested_at
+    assert requested is not None
+    w.clock.advance(int(PRODUCTION.prepare_bound_s * 1000) - (w.clock.now_ms() - requested))
+    assert (await w.runner().run(w.host, w.move_id, INC)).state == "preparing", "not before the bound"
+    w.clock.advance(1)
+    out = await w.runner().run(w.host, w.move_id, INC)
+    m = await w.move()
+    assert out.state == "aborted" and m.state == "aborted" and "never ready within 3600 s" in m.reason
+    assert "no reason recorded" not in m.reason and "cannot take this move yet" in m.reason, (
+        "the reason it was not ready is kept")
+    manual: World = await make_world(cut="manual")
+    await manual.target_ready()
+    assert (await manual.runner().run(manual.host, manual.move_id, INC)).state == "ready"
+    manual.clock.advance(int(PRODUCTION.prepare_bound_s * 1000) * 2)
+    assert (await manual.move()).state == "ready"
+    await manual.runner().run(manual.host, manual.move_id, INC)
+    assert (await manual.move()).state == "ready", "a ready move waits for its operator"
 
 
 async def test_a_stale_target_report_does_not_make_ready(make_world: Any) -> None:

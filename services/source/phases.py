@@ -81,6 +81,7 @@ class TimingProfile:
     staging_lease_ttl_s: float = 1800.0  # §7.3 the staging-work lease's TTL (claim C3); > skew + signature age
     clock_skew_s: float = 10.0  # §7.3 SafeUntil's clock skew allowance
     signature_age_s: float = 900.0  # §7.3 S3's signature-age limit (15 min) in SafeUntil = Until - skew - 15 min
+    prepare_bound_s: float = 3600.0  # §7.11: a move never ready this long after its request aborts itself (§13)
 
     def __post_init__(self) -> None:
         if self.staging_lease_ttl_s <= self.clock_skew_s + self.signature_age_s:
@@ -100,7 +101,7 @@ PRODUCTION: Final = TimingProfile("production", cut_window_s=120.0, open_budget_
                                   landing_budget_s=900.0, drain_timeout_s=10.0)
 FAST: Final = TimingProfile("fast", cut_window_s=12.0, open_budget_s=0.5, freshness_s=60.0,
                             landing_budget_s=30.0, drain_timeout_s=2.0, staging_lease_ttl_s=2.0,
-                            clock_skew_s=0.05, signature_age_s=0.3)
+                            clock_skew_s=0.05, signature_age_s=0.3, prepare_bound_s=120.0)
 
 
 # -- readiness ----------------------------------------------------------------------------------------------

@@ -96,6 +96,26 @@ def plan_preparing(record: Record | None, claim: Claim | None, *, source: str, m
     return PrepStep("round")
 
 
+def decide_self_abort(record: Record | None, move_id: str, incarnation: str, now_ms: int,
+                      profile: TimingProfile) -> Record | NoChange:
+    """§7.11 "A move whose readiness never comes aborts itself after a bound, so an unreachable target never needs
+    a human": still ``preparing`` ``prepare_bound_s`` after its request (the §13 prepare budget), the record CAS
+    ``state = aborted`` with the reason; the abort then closes as the operator's does. A move that became ready
+    (a manual cut waiting for its operator) is never aborted here."""
+    if record is None or record.move is None:
+        return NoChange("the host has no move")
+    move = record.move
+    if move.id != move_id or move.incarnation != incarnation or move.state != "preparing":
+        return NoChange("only a move still preparing aborts itself")
+    bound_ms = int(profile.prepare_bound_s * 1000)
+    if move.requested_at is None or now_ms - move.requested_at <= bound_ms:
+        return NoChange("within its prepare bound")
+    reason = (f"the move was never ready within {profile.prepare_bound_s:g} s of its request "
+              f"({move.reason or 'no reason recorded'}); it aborted itself")
+    return msgspec.structs.replace(record, move=msgspec.structs.replace(
+        move, state="aborted", reason=reason, updated_at=now_ms))
+
+
 def staging_refused(record: Record | None, claim: Claim | None, *, source: str, move_id: str,
                     incarnation: str) -> str | None:
     """Why a preparing round may not stage now, read fresh right after the staging-work lease was taken (§7.3:
@@ -340,6 +360,12 @@ class PreparingRunner:
         state = record.move.state if record is not None and record.move is not None else ""
         if step.kind in ("idle", "blocked"):
             return PrepResult(step, state, step.reason)
+        now = box.clock.now_ms()
+        if isinstance(decide_self_abort(record, move_id, incarnation, now, self.profile), Record):
+            out = await box.ledger.transition("record", host, "move-self-abort", lambda r: decide_self_abort(
+                r, move_id, incarnation, box.clock.now_ms(), self.profile))  # type: ignore[arg-type,misc]
+            return PrepResult(PrepStep("idle", "aborted"), "aborted" if isinstance(out, Committed) else state,
+                              "the move was never ready within its prepare bound; it aborted itself")
         assert record is not None and record.move is not None and claim is not None
         to = record.move.to
         if step.kind == "touch":
