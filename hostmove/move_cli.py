@@ -261,6 +261,8 @@ def milestones(view: Mapping[str, Any], watch: Watch, now_ms: int) -> list[tuple
                 out.append(("waiting-release", say("M-C10", box=box, region=dst, host=host)))
             if rollback.get("opened_at") is not None:
                 out.append(("back", say("M-C9", host=host, from_region=src)))
+        elif state == "stuck" and reason:  # what it is stuck on, in the recovery's words (§7.10: an operator's case)
+            out.append(("stuck", _sentence(f"{host} is stuck and waits for an operator: {reason}")))
         elif state == "stuck":
             out.append(("stuck", say("M-C11", host=host, to_region=dst, from_region=src)))
         else:  # reverting, aborted: the door's line (M-S2, M-S7)

@@ -154,7 +154,7 @@ def _cmd_moves(args: argparse.Namespace) -> int:
         print(f"moves seed={seed} steps={result.steps} trace={result.trace_hash} "
               f"moves_done={result.counters.get('moves_done', 0)} "
               f"moves_aborted={result.counters.get('moves_aborted', 0)} "
-              f"moves_reverted={result.counters.get('moves_reverted', 0)} {'FAILED' if failed else 'ok'}")
+              f"moves_rolled_back={result.counters.get('moves_rolled_back', 0)} {'FAILED' if failed else 'ok'}")
         for line in lines[:-1]:
             print("  " + line)
         if failed and args.trace:

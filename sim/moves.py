@@ -586,7 +586,7 @@ class MoveWorld(World):
     def extra_counters(self) -> dict[str, int]:
         ended = [r.last_move.outcome for r in self.records.values() if r.last_move is not None]
         return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
-                "moves_reverted": ended.count("rolled_back"), "writes_acknowledged": len(self.acks)}
+                "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks)}
 
     def cleanup(self) -> None:
         if self.workdir is not None:

@@ -308,10 +308,9 @@ def _cutting(world: MoveWorld, host: str = H) -> bool:
 async def w_cut_deadline(world: World) -> None:
     """The source's data-bucket requests stall for 300 s once the cut is admitted (a frozen box), longer than the
     cut window (§7.4). The cut must give up at its ``cut_deadline``: the source reverts (§7.4 ``reverting``), the
-    move closes ``rolled_back`` without committing and the host serves on ie-1 again with its writes. Mutated, every
-    source phase goes on after the deadline and flips late; the target's own bound then refuses the probe and the
-    commit (§7.7, §7.9: a late commit never lands, so INV-9 holds) and the landing's rollback (§7.8, not built
-    yet) leaves the host serving nowhere: INV-3."""
+    move closes ``rolled_back`` without committing and the host serves on ie-1 again with its writes. With only
+    ``cut-deadline`` off the cut flips late, the target's own bound refuses its probe, and the rollback (§7.8)
+    returns the host: still held. With ``commit-deadline`` off too the late landing commits: INV-9."""
     mw = _mw(world)
     world.run_actors()
     await _create(world)
@@ -332,7 +331,7 @@ WITNESSES: tuple[Witness, ...] = (
     Witness("wParkExact", ("park-exact-versions",), "actor-error", ((H, "ie-1"),), w_move,
             "wMove's script. Mutated (bare-key deletes), the source's park finds its scope refilled by the delete "
             "markers it leaves and stops with ParkError (the park's own check, reported as actor-error).", moves=True),
-    Witness("wCutDeadline", ("cut-deadline",), "INV-3", ((H, "ie-1"),), w_cut_deadline,
+    Witness("wCutDeadline", ("cut-deadline", "commit-deadline"), "INV-9", ((H, "ie-1"),), w_cut_deadline,
             w_cut_deadline.__doc__ or "", moves=True),
     Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
             w_admit_before_start.__doc__ or ""),

@@ -324,3 +324,31 @@ async def test_a_cut_past_its_deadline_reverts_to_the_source(stack: StackInfo, u
         assert await w.store.list_keys(f"{w.prefix}-uk", f"moves/{host}/{move_id}/") == []
         assert await w.store.list_keys(f"{w.prefix}-ie", f"move-snapshots/{host}/{move_id}/") == []
         await still_served_on_ie(w, host, "after the revert")
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_target_that_will_not_start_rolls_back_to_the_source(stack: StackInfo, unique: Callable[[str], str],
+                                                                     shared: tuple[S3Store, NatsEventLog, str],
+                                                                     tmp_path: Path) -> None:
+    """§7.8, the clean return, on the real stack: the app fails its readiness in uk (before writing), so the
+    landing's probe fails after the flip and the target records the rollback. The target stops its probe, gives its
+    stop evidence and releases clean (exec to none); the source takes execution back citing it, verifies its files
+    and timers, starts the instance again (a ``clean-return`` admission: nothing declared lost) and opens; the target
+    parks what it released; the move closes record first as ``rolled_back`` and the claim serves on ie. Every
+    acknowledged write is served on ie; the audit is clean."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events,
+                           app_env={**APP, "MOVEPROBE_FAIL_READY_IN": "uk"}) as w:
+        host = f"{unique('rb')}.example.com"
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        assert record is not None and claim is not None and claim.holder is not None
+        admission = claim.holder.admissions[-1]
+        assert admission.box == w.labels["ie"] and admission.writes_lost is None, admission
+        assert await w.store.list_keys(f"{w.prefix}-uk", f"moves/{host}/{move_id}/") == []
+        assert await w.store.list_keys(f"{w.prefix}-uk", claim.holder.location) == [], "the target parked it all"
+        assert await w.store.list_keys(f"{w.prefix}-ie", f"move-snapshots/{host}/{move_id}/") == []
+        await still_served_on_ie(w, host, "after the rollback")

@@ -1,5 +1,6 @@
-"""``reverting``, the source's pre-flip recovery (spec §7.4): the deciders and the plan, pure. The real-stack run is
-``tests/test_agent.py::test_a_cut_past_its_deadline_reverts_to_the_source``."""
+"""``reverting`` (spec §7.4) and the clean rollback (§7.8): the deciders and the plans, pure. The real-stack runs
+are ``tests/test_agent.py::test_a_cut_past_its_deadline_reverts_to_the_source`` and
+``::test_a_target_that_will_not_start_rolls_back_to_the_source``."""
 
 from __future__ import annotations
 
@@ -112,3 +113,81 @@ def test_a_revert_closes_rolled_back_only_once_opened_and_parked() -> None:
     assert closed.last_move == LastMove(id=MV, outcome="rolled_back", at=130)
     released = claim_half(opened, closed)
     assert isinstance(released, Claim) and (released.op.kind, released.op.exec) == ("serving", "ie-1")
+
+
+# -- the rollback after the flip (§7.8), pure ------------------------------------------------------------------
+
+RB = "rb_" + "q" * 26
+
+
+def rolling(landing_phase: str = "probing", **rb: object) -> Record:
+    from events.record import MoveLanding, Rollback
+
+    return Record(host=HOST, gen=5, move=Move(
+        id=MV, incarnation=INC, to="uk", from_="ie", state="rolling_back", cut_phase="flipped",
+        landing_phase=landing_phase, landing=MoveLanding(installed_db_sha256="db1"),
+        source=MoveSource(files=FilesDigest(plain="sha256:f"), timers_sha256="t", evidence="ev-s"),
+        rollback=Rollback(id=RB, **rb)))  # type: ignore[arg-type]
+
+
+def test_the_release_verdict_is_clean_only_when_nothing_changed_and_the_source_was_covered() -> None:
+    from services.move.rollback import release_verdict
+
+    move = rolling().move
+    assert move is not None
+    assert not release_verdict(move, src_covered=True, db_sha256="db1", files_plain="sha256:f", timers_sha256="t")[0]
+    assert release_verdict(move, src_covered=True, db_sha256="db2", files_plain="sha256:f", timers_sha256="t")[0]
+    assert release_verdict(move, src_covered=True, db_sha256="db1", files_plain="sha256:g", timers_sha256="t")[0]
+    assert release_verdict(move, src_covered=True, db_sha256="db1", files_plain="sha256:f", timers_sha256="u")[0]
+    assert release_verdict(move, src_covered=False, db_sha256="db1", files_plain="sha256:f", timers_sha256="t")[0]
+    early = rolling("building").move
+    assert early is not None
+    assert not release_verdict(early, src_covered=True, db_sha256="x", files_plain="", timers_sha256="")[0], (
+        "a landing that never reached its probe releases clean")
+
+
+def test_the_rollback_journals_walk_forward_only() -> None:
+    from services.move.rollback import decide_source_phase, decide_target_phase
+
+    rec = rolling()
+    nxt = decide_target_phase(rec, MV, "", "releasing")
+    assert isinstance(nxt, Record) and nxt.move is not None and nxt.move.rollback is not None
+    assert nxt.move.rollback.target_phase == "releasing"
+    assert isinstance(decide_target_phase(nxt, MV, "", "releasing"), NoChange)
+    assert isinstance(decide_target_phase(nxt, MV, "released", "cleaning"), Refusal)
+    done = decide_source_phase(rolling(source_phase="probed"), MV, "probed", "recovered", recovered_at=9)
+    assert isinstance(done, Record) and done.move is not None and done.move.rollback is not None
+    assert (done.move.rollback.source_phase, done.move.rollback.recovered_at) == ("recovered", 9)
+    assert isinstance(decide_source_phase(done, MV, "claimed", "verified"), NoChange), "never back"
+
+
+def test_execution_goes_target_none_source_only_on_evidence() -> None:
+    from services.move.rollback import decide_source_claimed, decide_target_released
+
+    restoring = claim("uk-1", kind="restoring")
+    early = decide_source_claimed(restoring, MV, "ie-1")
+    assert isinstance(early, Refusal), "the source waits for the target's release"
+    released = decide_target_released(restoring, MV, "uk-1", "ev-t", region="uk", evidence_at=40)
+    assert isinstance(released, Claim) and released.op.exec == "none"
+    assert released.op.journal["evidence.target"] == "ev-t"
+    assert sorted(o.kind for o in released.obligations) == ["park-staging", "park-superseded"]
+    assert all(o.owner == "uk-1" and o.scope is not None and o.scope.evidence_at == 40 for o in released.obligations)
+    assert isinstance(decide_target_released(restoring, MV, "uk-1", "", region="uk", evidence_at=40), Refusal)
+    claimed = decide_source_claimed(released, MV, "ie-1")
+    assert isinstance(claimed, Claim) and claimed.op.exec == "ie-1"
+    assert isinstance(decide_target_released(claimed, MV, "uk-1", "ev-t", region="uk", evidence_at=41), NoChange)
+    bare = msgspec.structs.replace(released, op=msgspec.structs.replace(released.op, journal={}))
+    assert isinstance(decide_source_claimed(bare, MV, "ie-1"), Refusal), "K4: never without the target's evidence"
+
+
+def test_a_rollback_closes_only_when_recovered_opened_and_parked() -> None:
+    opened = rolling(source_phase="opened", target_phase="cleaned", recovered_at=5, opened_at=6, target_parked_at=7)
+    assert opened.move is not None
+    parked = msgspec.structs.replace(opened, move=msgspec.structs.replace(opened.move, source_parked_at=8))
+    c = claim("ie-1", kind="restoring")
+    closed = decide_close(parked, c, move_id=MV, now_ms=9)
+    assert isinstance(closed, Record) and closed.last_move == LastMove(id=MV, outcome="rolled_back", at=9)
+    unparked = rolling(source_phase="opened", target_phase="cleaning", recovered_at=5, opened_at=6)
+    assert unparked.move is not None
+    unparked = msgspec.structs.replace(unparked, move=msgspec.structs.replace(unparked.move, source_parked_at=8))
+    assert isinstance(decide_close(unparked, c, move_id=MV, now_ms=9), NoChange), "the target's park first"

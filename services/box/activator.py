@@ -41,6 +41,7 @@ import aiohttp
 
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
+from events.record import Rollback
 from hostmove import rules
 from hostmove.fsutil import fsync_dir
 from hostmove.ports import Clock, Random, blocking, free_port, http_status
@@ -240,7 +241,8 @@ class Activator:
     async def _read_claim(self, host: str) -> Claim | None:
         return (await self.ctx.ledger.read_claim(host)).state
 
-    def _refusal(self, claim: Claim | None, host: str, cut_phase: str | None = None) -> str | None:
+    def _refusal(self, claim: Claim | None, host: str, cut_phase: str | None = None,
+                 rollback: Rollback | None = None) -> str | None:
         """Why this box may not start ``host`` now (the decide step), or None. A ``moving`` host is started as
         usual while its cut has not reached ``stopping`` (§19.1 "source may spawn"; ``cut_phase`` is the
         record's, read under the guard)."""
@@ -258,6 +260,14 @@ class Activator:
             if phase != "opened" and (row is None or row.status != "restoring" or row.hold_op != claim.op.id):
                 return f"{host} is reverting but its route is not held restoring by {claim.op.id}"
             recovery_probe = phase != "opened"
+        elif claim.op.kind == "restoring":  # §7.8: the source's recovery probe under the rollback's hold, then open
+            phase = rollback.source_phase if rollback is not None else ""
+            if rollback is None or phase not in ("probing", "probed", "recovered", "opened"):
+                return f"{host} is rolling back and its source recovery has not reached its probe"
+            held = phase != "opened"
+            if held and (row is None or row.status != "restoring" or row.hold_op != rollback.id):
+                return f"{host} is rolling back but its route is not held restoring by {rollback.id}"
+            recovery_probe = held
         elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
         if claim.op.exec != self.ctx.label:
@@ -303,18 +313,21 @@ class Activator:
 
     # -- the start --------------------------------------------------------------------------------
 
-    async def wake(self, host: str) -> Started | StartRefused | StartFailed:
-        """Start ``host`` on this box: admit, then up to five attempts under that session."""
+    async def wake(self, host: str, *, coverage: str = "") -> Started | StartRefused | StartFailed:
+        """Start ``host`` on this box: admit, then up to five attempts under that session. ``coverage`` is the
+        admission's (§5.1 step 9): ``clean-return`` for a clean rollback's recovery probe (§7.8)."""
         if host in self.running:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
             claim = g.claim
             cut_phase = None
-            if claim is not None and claim.op.kind == "moving":  # §19.1: the source serves until `stopping`
+            rollback = None
+            if claim is not None and claim.op.kind in ("moving", "restoring"):  # §19.1; §7.8
                 record = (await self.ctx.ledger.read_record(host)).state
                 move = record.move if record is not None else None
                 cut_phase = move.cut_phase if move is not None and move.id == claim.op.id else "unknown"
-            reason = self._refusal(claim, host, cut_phase)
+                rollback = move.rollback if move is not None and move.id == claim.op.id else None
+            reason = self._refusal(claim, host, cut_phase, rollback)
             if reason is not None:
                 return StartRefused(host, reason)
             assert claim is not None and claim.holder is not None
@@ -326,6 +339,7 @@ class Activator:
                 observed_phase=claim.op.phase, observed_kind=claim.op.kind,
                 observed_session=claim.holder.session, observed_generation=claim.holder.generation,
                 new_generation=generation, remote_max_txid=remote_max, predecessor_certified=certified,
+                coverage=coverage,
             )
             admitted = await self.ctx.ledger.transition(
                 "claim", host, "admit-writer", lambda cur: decide_admit_writer(cur, request),

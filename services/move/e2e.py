@@ -110,7 +110,7 @@ class MoveRun:
                 break
             if tgt.closed:
                 continue
-            if stage in ("aborting", "reverting", "finalizing"):
+            if stage in ("aborting", "reverting", "rolling_back", "finalizing"):
                 wakes = [w for w in (src.wake_at, tgt.wake_at) if w is not None]
                 why = "; ".join(r for r in (src.wait, tgt.wait) if r)
                 if wakes:  # a park waits out its horizon (§6.4): wake then

@@ -47,6 +47,7 @@ from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.move.guards import live_move, step_allowed
 from services.move.park import Acknowledged, Parker
+from services.move.rollback import decide_target_phase
 from services.source.lease import LeaseTiming, StagingStopped, StagingWork
 from services.source.staging import snapshot_prefix
 
@@ -66,6 +67,7 @@ _ENDINGS: dict[str, tuple[str, str, str]] = {
     "committed": ("landing", "committed", "done"),  # §7.9
     "aborted": ("moving", "aborted", "aborted"),  # §7.11
     "reverting": ("reverting", "", "rolled_back"),  # §7.4 reverting, once its journal says opened
+    "rolling_back": ("restoring", "", "rolled_back"),  # §7.8, once recovered, opened and the target parked
 }
 """For each record state a move ends from: the claim's op kind and phase while it finalizes, and the outcome."""
 
@@ -145,8 +147,13 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
             return NoChange(f"waiting for {', '.join(left)} to be acknowledged")
         if ending[2] == "done" and move.opened_at is None:
             return NoChange("waiting for the target to open")
-        if ending[2] == "rolled_back" and claim.op.journal.get("rev_phase") != "opened":
+        if move.state == "reverting" and claim.op.journal.get("rev_phase") != "opened":
             return NoChange("waiting for the source's recovery to open")
+        rb = move.rollback
+        if move.state == "rolling_back" and (rb is None or rb.recovered_at is None or rb.opened_at is None):
+            return NoChange("waiting for the source's recovery to open")
+        if move.state == "rolling_back" and rb is not None and rb.target_parked_at is None:
+            return NoChange("waiting for the target to park what it released")
         if move.source_parked_at is None:
             return NoChange("waiting for the source to record its park")
     outcome: Literal["done", "rolled_back", "aborted"] = (
@@ -183,7 +190,7 @@ class LocalRetirement:
     read_claim: ReadClaim
     clock: Clock
 
-    async def __call__(self, host: str, move_id: str) -> LocalRetired:
+    async def __call__(self, host: str, move_id: str, hold_op: str = "") -> LocalRetired:
         async with host_guard(self.box_dir, host, self.read_claim, clock=self.clock) as guarded:
             claim = guarded.claim
             why = finalization_refused(claim, move_id)
@@ -191,9 +198,13 @@ class LocalRetirement:
                 raise FinalizeError(f"the local park of {host} did not run: {why or 'the claim names no holder'}")
             parked = self.stamps.retire_installation(guarded, claim.holder.incarnation, op=move_id,
                                                      event=f"{PARK_SUPERSEDED}-local")
-            row_deleted = self.registry.delete_held(host, move_id)
+            row_deleted = self.registry.delete_held(host, hold_op or move_id)
             timers_deleted = self.timers.delete_all(host)
         return LocalRetired(tuple(parked), row_deleted, timers_deleted)
+
+
+LocalRetire = Callable[[str, str, str], Awaitable[object]]
+"""``(host, move_id, hold_op) -> ...``: a box's local park under the host guard (:class:`LocalRetirement`)."""
 
 
 # -- the runner -------------------------------------------------------------------------------------------
@@ -255,9 +266,11 @@ class Finalizer:
         why = finalization_refused(claim, move_id)
         if why is not None or claim is None or claim.holder is None or record is None or record.move is None:
             return StepReport(False, why or "the claim or the record holds no move")
-        if record.move.state not in ("aborted", "reverting"):
-            return StepReport(False, f"the move is {record.move.state}, not aborted or reverting")
-        if record.move.state == "reverting" and claim.op.journal.get("rev_phase") != "opened":
+        move = record.move
+        if move.state not in ("aborted", "reverting", "rolling_back"):
+            return StepReport(False, f"the move is {move.state}, not aborted, reverting or rolling back")
+        if (move.state == "reverting" and claim.op.journal.get("rev_phase") != "opened") or (
+                move.state == "rolling_back" and (move.rollback is None or move.rollback.opened_at is None)):
             return StepReport(False, "the source's recovery has not opened yet")
         if record.move.source_parked_at is None:
             store, bucket = self.parker.store, self.parker.bucket
@@ -274,6 +287,48 @@ class Finalizer:
             if not isinstance(out, Committed | NoChange):
                 return StepReport(False, "another writer changed the record; the step runs again")
             self._fault("after_source_parked")
+        return await self.close(host, move_id)
+
+    async def target_release_park(self, host: str, move_id: str, local: LocalRetire) -> StepReport:
+        """§7.8 ``cleaning`` on the target box, only after the source's ``recovered_at``: park its location and its
+        staging lane by exact versions (its two obligations), the local park (``local``, the row's delete
+        conditional on the rollback id), then ``cleaned`` with ``target_parked_at``, the obligations dropped, and
+        the close (which waits for the source's open and its snapshots)."""
+        claim = (await self.ledger.read_claim(host)).state
+        record = (await self.ledger.read_record(host)).state
+        if record is not None and record.last_move is not None and record.last_move.id == move_id:
+            return await self.close(host, move_id)
+        why = finalization_refused(claim, move_id)
+        move = record.move if record is not None else None
+        if why is not None or claim is None or move is None or move.rollback is None:
+            return StepReport(False, why or "the record holds no rollback")
+        rb = move.rollback
+        if rb.recovered_at is None:
+            return StepReport(False, "waiting for the source to recover before the target cleans (§7.8)")
+        quiet: dict[str, int] = {}
+        for kind in (PARK_SUPERSEDED, PARK_STAGING):
+            ob = pending(claim, move_id=move_id, kind=kind, owner=self.box)
+            if ob is None or ob.scope is None:
+                continue
+            outcome = await self.parker.park_scope(host=host, op=move_id, kind=kind, scope=ob.scope)
+            if not isinstance(outcome, Acknowledged):
+                return StepReport(False, outcome.reason, outcome.until)
+            quiet[kind] = (ob.scope.evidence_at or 0) + self.parker.timing.horizon_ms(ob.scope)
+        if rb.target_parked_at is None:
+            await local(host, move_id, rb.id)
+            now = self.ledger.clock.now_ms()
+
+            def cleaned(cur: Record | None) -> Record | NoChange | Refusal:
+                return decide_target_phase(cur, move_id, "cleaning", "cleaned", target_parked_at=now)
+
+            out = await self.ledger.transition("record", host, "rollback-target-cleaned", cleaned, causation=move_id)
+            if isinstance(out, Refusal):
+                return StepReport(False, out.reason)
+        for kind, until in quiet.items():
+            def drop(cur: Claim | None, kind: str = kind, until: int = until) -> Claim | NoChange | Refusal:
+                return decide_drop_obligation(cur, move_id=move_id, kind=kind, owner=self.box, quiet_until=until)
+
+            await self.ledger.transition("claim", host, f"{kind}-acknowledged", drop, causation=move_id)
         return await self.close(host, move_id)
 
     async def staging_park(self, host: str, move_id: str) -> StepReport:
@@ -348,7 +403,8 @@ class Finalizer:
             return decide_close(cur, claim, move_id=move_id, now_ms=now)
 
         state = before.move.state if before is not None and before.move is not None else ""
-        name = {"aborted": "move-aborted", "reverting": "move-reverted"}.get(state, "move-done")  # how it ended
+        name = {"aborted": "move-aborted", "reverting": "move-reverted",
+                "rolling_back": "move-rolled-back"}.get(state, "move-done")  # how it ended
         out = await self.ledger.transition("record", host, name, close_record, causation=move_id)
         if isinstance(out, Refusal):
             return StepReport(False, out.reason)

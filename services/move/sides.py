@@ -36,16 +36,18 @@ from services.source.lease import lease_timing
 from services.source.phases import TimingProfile
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
 from services.source.reverting import RevertRunner
+from services.source.rollback_recovery import RollbackRecovery
 from services.source.worker import SourceBox, SourceWorker
 from services.target.readiness import BoxFacts, report_readiness
+from services.target.release import TargetRelease
 from services.target.worker import LandingWorker
 
 log = logging.getLogger("hostmove.move.sides")
 
-Stage = Literal["request", "preparing", "cutting", "landing", "opening", "aborting", "reverting", "finalizing",
-                "done"]
+Stage = Literal["request", "preparing", "cutting", "landing", "opening", "aborting", "reverting", "rolling_back",
+                "finalizing", "done"]
 STAGES: tuple[Stage, ...] = ("request", "preparing", "cutting", "landing", "opening", "aborting", "reverting",
-                             "finalizing", "done")
+                             "rolling_back", "finalizing", "done")
 UNMOVED: frozenset[Stage] = frozenset({"aborting", "reverting"})
 """Stages of a move that ends where it started: the target parks its staging lane, the source closes (§7.11, §7.4)."""
 
@@ -141,6 +143,8 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
         return "aborting", move.reason
     if move.state == "reverting":  # §7.4: the source recovers the host, the target parks its lane
         return "reverting", move.reason
+    if move.state == "rolling_back":  # §7.8: the target releases and cleans, the source recovers
+        return "rolling_back", move.reason
     return "done", f"the move is {move.state}: {move.reason or 'no reason recorded'}"
 
 
@@ -186,6 +190,8 @@ class SourceRunners:
             events=deployment.events, local_retire=self._local_retire, faults=faults)
         self.revert = RevertRunner(ctx.label, ledger, ctx.registry, source.timers, source.activator, self.cut,
                                    self.final, ctx.files_dir)
+        self.recovery = RollbackRecovery(ctx.label, ledger, ctx.registry, source.timers, source.activator,
+                                         self.final, ctx.files_dir)
 
     @property
     def label(self) -> str:
@@ -234,6 +240,9 @@ class SourceRunners:
             if rev.report is not None:
                 return _park_step(rev.report)
             return SideStep(wait=rev.reason)
+        if stage == "rolling_back" and move is not None:
+            rec = await self.recovery.run(host, move.id)
+            return _park_step(rec.report) if rec.report is not None else SideStep(wait=rec.reason)
         if stage == "finalizing":
             return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
@@ -252,10 +261,21 @@ class TargetRunners:
             parking.Parker(tbox.data_store, tbox.data_bucket, tbox.clock, timing=timings.park),
             events=deployment.events, faults=faults, staging_lease=lease_timing(timings.source),
             staging_region=tbox.region)
+        self.release = TargetRelease(target.worker, self.final, self._local_retire)
 
     @property
     def label(self) -> str:
         return self.side.worker.box.label
+
+    async def _local_retire(self, host: str, move_id: str, hold_op: str) -> object:
+        """The target's local park of a released landing (§7.8 ``cleaning``, §6.4): its stamps, row and timers."""
+        tbox, ledger = self.side.worker.box, self.d.door.ledger
+
+        async def read_claim() -> Claim | None:
+            return (await ledger.read_claim(host)).state
+
+        return await LocalRetirement(tbox.box_dir, tbox.stamps, tbox.registry, tbox.timers, read_claim,
+                                     tbox.clock)(host, move_id, hold_op)
 
     async def report(self, host: str, source_region: str) -> str:
         """The target's readiness report for this move (§7.3), written to ``target.json``. Answers why the
@@ -281,6 +301,11 @@ class TargetRunners:
             if step.outcome in ("blocked", "rolled_back", "stopped"):
                 return SideStep(stop=step.detail)
             return SideStep(progressed=True)
+        if stage == "rolling_back" and record.move is not None:
+            rel = await self.release.run(host, record.move.id)
+            if rel.stuck:
+                return SideStep(stop=rel.reason)
+            return _park_step(rel.report) if rel.report is not None else SideStep(wait=rel.reason)
         if stage in UNMOVED:
             await self.final.follow(host)  # the claim half owes this box the staging park (§7.11, §7.4)
         if stage in UNMOVED or stage == "finalizing":

@@ -25,6 +25,7 @@ from services.box.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.finalize import Finalizer, StepReport
 from services.move.follow import claim_half
+from services.move.stepping import until_still
 from services.source import revert
 from services.source.revert import RevertStep, RevPhase
 from services.source.worker import SourceWorker
@@ -57,12 +58,8 @@ class RevertRunner:
     files_dir: Callable[[str], Path]
 
     async def run(self, host: str, move_id: str, incarnation: str, *, max_steps: int = 12) -> RevertResult:
-        result = RevertResult(RevertStep("idle"), False, "no step taken")
-        for _ in range(max_steps):
-            result = await self.step(host, move_id, incarnation)
-            if not result.progressed:
-                return result
-        return result
+        return await until_still(lambda: self.step(host, move_id, incarnation),
+                                 RevertResult(RevertStep("idle"), False, "no step taken"), max_steps)
 
     async def step(self, host: str, move_id: str, incarnation: str) -> RevertResult:
         record = (await self.ledger.read_record(host)).state

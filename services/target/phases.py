@@ -27,6 +27,7 @@ import msgspec
 
 from events.claim import Claim
 from events.record import Move, MoveLanding, Record, Rollback
+from hostmove import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import live_move, step_allowed
 
@@ -131,6 +132,14 @@ def decide_enter(
     return msgspec.structs.replace(record, move=new_move)
 
 
+rules.register(
+    "commit-deadline",
+    section="§7.9 step 1; §7.7 (the probe's absolute deadline); §7.4 One absolute deadline",
+    meaning="the target neither probes past nor commits after min(cut_deadline, landing_deadline)",
+    site="services/target/phases.py decide_commit; services/target/worker.py (probe, commit)",
+)
+
+
 def commit_bound(move: Move) -> int | None:
     """The commit's bound: the earlier of ``cut_deadline`` and ``landing_deadline`` (§7.9, P2-deadline)."""
     bounds = [b for b in (move.cut_deadline, move.landing_deadline) if b is not None]
@@ -155,7 +164,7 @@ def decide_commit(record: Record | None, expect: Expect, now_ms: int) -> Record 
     bound = commit_bound(move)
     if bound is None:
         return Refusal("the move has no cut deadline; a commit cannot prove it is in time")
-    if now_ms > bound:
+    if now_ms > bound and rules.on("commit-deadline"):
         which = "cut" if bound == move.cut_deadline else "landing"
         return Refusal(f"the {which} deadline passed before the commit; the move rolls back instead (§7.9)")
     new_move = msgspec.structs.replace(move, state="committed", committed_at=now_ms, updated_at=now_ms)

@@ -37,6 +37,7 @@ from events.base import canonical
 from events.claim import Claim
 from events.ids import new_op_id
 from events.record import Move, Record
+from hostmove import rules
 from hostmove.fsutil import atomic_write, fsync_dir
 from hostmove.ports import Clock, Random, blocking
 from services.box.activator import purge_local_db
@@ -322,7 +323,7 @@ class LandingWorker:
     async def _commit(self, host: str, expect: Expect, move: Move) -> Step:
         now = self.box.clock.now_ms()
         bound = phases.commit_bound(move)
-        if bound is not None and now > bound:
+        if bound is not None and now > bound and rules.on("commit-deadline"):
             return await self._rollback(host, expect, "the cut deadline passed before the commit")
         clock = self.box.clock  # the time is read inside the decision, so a CAS retry cannot commit late
         out = await self.box.ledger.transition("record", host, "commit",
@@ -605,7 +606,8 @@ class LandingWorker:
             return await self._replicated(host, move, generation, app)
 
         result, app = await run_probe(attempt, self.box.clock, self.box.probe_timing, t11_admitted=admitted,
-                                      hard_deadline_ms=phases.commit_bound(move))
+                                      hard_deadline_ms=phases.commit_bound(move) if rules.on("commit-deadline")
+                                      else None)
         if not result.ok or app is None:
             raise LandingFailure(result.describe())
         self.running[host] = app

@@ -1,0 +1,167 @@
+"""The target's release in a rollback (spec §7.8 "Target release"): re-read, act, journal ``rollback.target_phase``
+(:mod:`services.move.rollback`). Nothing survives in memory: a restarted agent continues from the record, the
+claim and the box's actual process state (§7.13); the stop evidence is ``ReconstructStopEvidence`` (create-only,
+reused), the parks are the finalizer's (by exact versions, acknowledged after the horizon).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from events.claim import Claim
+from hostmove.ports import blocking
+from services.box.archive import plain_digest
+from services.box.evidence import (
+    Checkpoint,
+    EvidenceFor,
+    EvidenceRefused,
+    StopHooks,
+    file_sha256,
+    lease_file_check,
+    reconstruct_stop_evidence,
+)
+from services.box.replica.layout import GenerationScope, list_generation
+from services.box.replica.planner import replication_position
+from services.ledger.ledger import Committed, NoChange, Refusal
+from services.move import rollback
+from services.move.finalize import Finalizer, LocalRetire, StepReport
+from services.move.stepping import until_still
+from services.target.worker import LandingWorker
+
+log = logging.getLogger("hostmove.target.release")
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """One step: ``progressed`` (step again now), or why not (``reason``); ``report`` when the finalizer answered."""
+
+    progressed: bool
+    reason: str = ""
+    report: StepReport | None = None
+    stuck: bool = False
+
+
+@dataclass
+class TargetRelease:
+    """One target box's releases (the landing worker's box, its finalizer for the target region's bucket)."""
+
+    worker: LandingWorker
+    final: Finalizer
+    local: LocalRetire
+
+    async def run(self, host: str, move_id: str, *, max_steps: int = 8) -> ReleaseResult:
+        return await until_still(lambda: self.step(host, move_id), ReleaseResult(False, "no step taken"), max_steps)
+
+    async def step(self, host: str, move_id: str) -> ReleaseResult:
+        box = self.worker.box
+        ledger = box.ledger
+        record = (await ledger.read_record(host)).state
+        claim = (await ledger.read_claim(host)).state
+        if record is not None and record.last_move is not None and record.last_move.id == move_id:
+            report = await self.final.close(host, move_id)
+            return ReleaseResult(False, "" if report.done else report.reason, report)
+        got = rollback.live_rollback(record, move_id)
+        if isinstance(got, Refusal) or claim is None:
+            return ReleaseResult(False, got.reason if isinstance(got, Refusal) else "the host has no claim")
+        move, rb = got
+        phase = rb.target_phase
+        if phase == "":
+            return self._outcome(await ledger.transition("record", host, "rollback-target-releasing",
+                                                         lambda r: rollback.decide_target_phase(
+                                                             r, move_id, "", "releasing")))
+        if phase == "releasing":
+            return await self._release(host, move_id, claim)
+        if phase == "released":
+            if rb.dirty:
+                return await self._stuck(host, move_id, "the target's release is dirty")
+            now = box.clock.now_ms()
+            out = await ledger.transition("claim", host, "rollback-target-released", lambda c: (
+                rollback.decide_target_released(c, move_id, box.label, rb.evidence, region=box.region,
+                                                evidence_at=now)))
+            if isinstance(out, Refusal):
+                return ReleaseResult(False, out.reason)
+            if rb.recovered_at is None:
+                return ReleaseResult(False, "waiting for the source to recover")
+            return self._outcome(await ledger.transition("record", host, "rollback-target-cleaning",
+                                                         lambda r: rollback.decide_target_phase(
+                                                             r, move_id, "released", "cleaning")))
+        if phase == "cleaning":
+            report = await self.final.target_release_park(host, move_id, self.local)
+            return ReleaseResult(False, "" if report.done else report.reason, report)
+        report = await self.final.close(host, move_id)  # cleaned: the close waits for the source's part
+        return ReleaseResult(False, "" if report.done else report.reason, report)
+
+    async def _release(self, host: str, move_id: str, claim: Claim) -> ReleaseResult:
+        """``releasing``'s effects: hold the row, stop the probe, the stop evidence; then ``released`` with the
+        verdict (§7.8)."""
+        box = self.worker.box
+        record = (await box.ledger.read_record(host)).state
+        got = rollback.live_rollback(record, move_id)
+        if isinstance(got, Refusal):
+            return ReleaseResult(False, got.reason)
+        move, rb = got
+        if box.registry.get(host) is not None and not box.registry.hold(host, "releasing", rb.id, replaces=move_id):
+            return ReleaseResult(False, f"the route of {host} is held by another operation; the release waits")
+        app = self.worker.running.pop(host, None)
+        if app is not None:
+            await app.stop()
+        assert claim.holder is not None
+        holder = claim.holder
+        db = box.db_path(host)
+
+        async def final() -> Checkpoint:
+            if not db.exists():
+                return Checkpoint(None, "")
+            scope = GenerationScope(holder.location, holder.generation)
+            n = replication_position(await list_generation(box.data_store, box.data_bucket, scope))
+            return Checkpoint(n, file_sha256(db))
+
+        async def files() -> str:
+            path = box.files_dir(host)
+            return (await blocking(plain_digest, path, None, host=host)).plain if path.exists() else ""
+
+        async def timers() -> str:
+            return box.timers.digest(host)
+
+        if box.tree is None:
+            return ReleaseResult(False, "this box has no process tree; it cannot prove its probe stopped")
+        hooks = StopHooks(lease_file_check(box.data_dir / f"{host}.lease.json", box.clock, 1_000), final, files,
+                          timers)
+        subject = EvidenceFor(host, move_id, "target", box.label, move.incarnation, claim.gen)
+        ev = await reconstruct_stop_evidence(tree=box.tree, store=box.ledger.store, bucket=box.ledger.bucket,
+                                             clock=box.clock, subject=subject, db_path=db, hooks=hooks)
+        if isinstance(ev, EvidenceRefused):
+            return ReleaseResult(False, ev.message)
+        seal = claim.op.journal.get("seal")
+        covered = bool(seal.get("src_covered")) if isinstance(seal, dict) else False
+        dirty, why = rollback.release_verdict(move, src_covered=covered, db_sha256=ev.evidence.db_sha256,
+                                              files_plain=ev.evidence.files_sha256,
+                                              timers_sha256=ev.evidence.timers_sha256)
+        log.info("release of %s for %s: %s (%s)", host, rb.id, "dirty" if dirty else "clean", why)
+        out = await box.ledger.transition("record", host, "rollback-target-released", lambda r: (
+            rollback.decide_target_phase(r, move_id, "releasing", "released", dirty=dirty, evidence=ev.key)))
+        if dirty and isinstance(out, Committed):
+            return await self._stuck(host, move_id, why)
+        return self._outcome(out)
+
+    async def _stuck(self, host: str, move_id: str, why: str) -> ReleaseResult:
+        """A dirty release needs the return lane (§7.8 ``returning``), which is not built: ``stuck`` with the reason,
+        for an operator (§7.10). Nothing is lost by waiting: the target's database and the seal stay as they are."""
+        box = self.worker.box
+        reason = (f"the rollback cannot return the host by itself: {why}; returning the target's writes to the "
+                  "source (§7.8 returning) is not built, so an operator decides")
+        await box.ledger.transition("record", host, "rollback-stuck",
+                                    lambda r: rollback.decide_stuck(r, move_id, reason, box.clock.now_ms()))
+        return ReleaseResult(False, reason, stuck=True)
+
+    @staticmethod
+    def _outcome(out: object) -> ReleaseResult:
+        if isinstance(out, Committed | NoChange):
+            return ReleaseResult(True)
+        if isinstance(out, Refusal):
+            return ReleaseResult(False, out.reason)
+        return ReleaseResult(False, "another writer kept changing the object; the next wake retries")
+
+
+__all__ = ["ReleaseResult", "TargetRelease"]
