@@ -386,7 +386,17 @@ class MoveWorld(World):
             self.os_stop(proc, why)
 
     def box_agent_died(self, label: str) -> None:
-        """An agent crash leaves its instances running in their leaves (cgroups outlive the agent)."""
+        """An agent crash leaves its instances running in their leaves (cgroups outlive the agent); one crash in four
+        is the box's reboot, with its disk kept: every process of the box dies and a new boot begins (the cgroups are
+        gone; the spawn journal says what ran in the boot before, §5.3 joint D3)."""
+        if not self.plan.fault("chaos.reboot", 0.25):
+            return
+        tree = self.trees[label]
+        for host in sorted(tree.leaves):
+            tree.kill(host, "the box rebooted")
+        tree.leaves.clear()
+        tree.boot += 1
+        self.trace.emit(label, f"reboot: boot {tree.boot}, every process of the box died, its disk kept")
 
     def write(self, host: str, value: str) -> None:
         """One write from the app's users: to the box the claim names, to the instance it serves."""
