@@ -276,18 +276,25 @@ class Finalizer:
             store, bucket = self.parker.store, self.parker.bucket
             for v in await store.list_versions(bucket, snapshot_prefix(host, move_id)):
                 await store.delete(bucket, v.key, version_id=v.version_id)
-            incarnation, now = claim.holder.incarnation, self.ledger.clock.now_ms()
-
-            def stamp(cur: Record | None) -> Record | NoChange | Refusal:
-                return decide_source_parked(cur, move_id=move_id, incarnation=incarnation, now_ms=now)
-
-            out = await self.ledger.transition("record", host, "source-parked", stamp, causation=move_id)
-            if isinstance(out, Refusal):
-                return StepReport(False, out.reason)
-            if not isinstance(out, Committed | NoChange):
-                return StepReport(False, "another writer changed the record; the step runs again")
-            self._fault("after_source_parked")
+            failed = await self._source_parked(host, move_id, claim.holder.incarnation)
+            if failed is not None:
+                return failed
         return await self.close(host, move_id)
+
+    async def _source_parked(self, host: str, move_id: str, incarnation: str) -> StepReport | None:
+        """The record CAS ``source_parked_at`` (§7.9 step 3, §7.11); a report when it did not land."""
+        now = self.ledger.clock.now_ms()
+
+        def stamp(cur: Record | None) -> Record | NoChange | Refusal:
+            return decide_source_parked(cur, move_id=move_id, incarnation=incarnation, now_ms=now)
+
+        out = await self.ledger.transition("record", host, "source-parked", stamp, causation=move_id)
+        if isinstance(out, Refusal):
+            return StepReport(False, out.reason)
+        if not isinstance(out, Committed | NoChange):
+            return StepReport(False, "another writer changed the record; the step runs again")
+        self._fault("after_source_parked")
+        return None
 
     async def target_release_park(self, host: str, move_id: str, local: LocalRetire) -> StepReport:
         """§7.8 ``cleaning`` on the target box, only after the source's ``recovered_at``: park its location and its
@@ -368,17 +375,9 @@ class Finalizer:
         if kind == PARK_SUPERSEDED:
             if self.local_retire is not None:
                 await self.local_retire(host, move_id)
-            now = self.ledger.clock.now_ms()
-
-            def stamp(cur: Record | None) -> Record | NoChange | Refusal:
-                return decide_source_parked(cur, move_id=move_id, incarnation=incarnation, now_ms=now)
-
-            out = await self.ledger.transition("record", host, "source-parked", stamp, causation=move_id)
-            if isinstance(out, Refusal):
-                return StepReport(False, out.reason)
-            if not isinstance(out, Committed | NoChange):
-                return StepReport(False, "another writer changed the record; the step runs again")
-            self._fault("after_source_parked")
+            failed = await self._source_parked(host, move_id, incarnation)
+            if failed is not None:
+                return failed
 
         def drop(cur: Claim | None) -> Claim | NoChange | Refusal:
             return decide_drop_obligation(cur, move_id=move_id, kind=kind, owner=self.box, quiet_until=quiet_until)
