@@ -72,6 +72,7 @@ class SimLoop(asyncio.BaseEventLoop):
         self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
         self._seq = itertools.count()
         self.steps = 0
+        self.run_steps = 0  # ``steps`` when ``main`` returned, before the leftover tasks were cancelled
         self.max_steps = max_steps
         self.errors: list[dict[str, Any]] = []
         self.set_exception_handler(self._record_error)
@@ -296,6 +297,7 @@ def run(main: Coroutine[Any, Any, T], *, seed: int | str, max_steps: int | None 
             try:
                 result = loop.run_until_complete(main)
             finally:
+                loop.run_steps = loop.steps  # the run's own steps; the cleanup's below depend on task set order
                 _cancel_rest(loop)
     finally:
         loop.close()

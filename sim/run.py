@@ -119,7 +119,7 @@ def execute(
     with rules.mutated(mutate), _logs_into(holder):
         try:
             _, loop = run(main(), seed=seed, max_steps=max_steps)
-            steps = loop.steps
+            steps = loop.run_steps
             if loop.errors:
                 error = "the event loop reported: " + str(loop.errors[0].get("message"))
         except HARNESS_ERRORS as exc:
