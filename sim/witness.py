@@ -281,17 +281,23 @@ async def _request_move(world: MoveWorld, to: str, cut: str = "auto", host: str 
     console.asked.add(host)
 
 
+async def _serving_with_writes(world: World, writes: int) -> MoveWorld:
+    """Every move witness's start: the actors run, the host is created and serves on ie-1, and takes ``writes``."""
+    mw = _mw(world)
+    world.run_actors()
+    await _create(world)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, writes, "before")
+    return mw
+
+
 async def w_move(world: World) -> None:
     """A host serving on ie-1 takes writes, moves to uk (automatic cut) through the door, the source's preparing
     rounds and cut, the landing and both parks, and takes writes on uk-1. Every acknowledged write is in the
     database uk-1 serves (INV-2), no version is left under the staging lanes (INV-10), and the history audits
     clean. Mutated (``close-record-first`` off), the record closes before the parks are acknowledged and the
     source's finalizer passes the host again and again without time passing: INV-3 (a livelock)."""
-    mw = _mw(world)
-    world.run_actors()
-    await _create(world)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 5, "before")
+    mw = await _serving_with_writes(world, 5)
     await _request_move(mw, "uk")
     await _closed(mw)
     await _serving_on(mw, "uk-1")
@@ -311,11 +317,7 @@ async def w_cut_deadline(world: World) -> None:
     move closes ``rolled_back`` without committing and the host serves on ie-1 again with its writes. With only
     ``cut-deadline`` off the cut flips late, the target's own bound refuses its probe, and the rollback (§7.8)
     returns the host: still held. With ``commit-deadline`` off too the late landing commits: INV-9."""
-    mw = _mw(world)
-    world.run_actors()
-    await _create(world)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 3, "before")
+    mw = await _serving_with_writes(world, 3)
     hold = world.s3.hold(lambda r: r.principal.name == "ie-1" and r.access.bucket != DEPLOY and _cutting(mw),
                          stage="transit", once=False)
     await _request_move(mw, "uk")
@@ -352,11 +354,7 @@ async def w_move_crashes(world: World) -> None:
     """wMove with both agents crashing mid-move (memory lost, disk and instances kept) and restarting: the source
     in its cut, the target in its landing. The move still closes, the host serves on uk-1 with every acknowledged
     write (INV-2, INV-3). Not a rule's witness: the tests run it unmutated."""
-    mw = _mw(world)
-    world.run_actors()
-    await _create(world)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 4, "before")
+    mw = await _serving_with_writes(world, 4)
     await _request_move(mw, "uk")
     await world.until("the cut admitted", lambda: _cutting(mw), timeout=4 * 3600.0)
     world.crash("ie-1", "witness: the source agent dies in its cut")

@@ -33,6 +33,13 @@ from services.source.worker import SourceWorker
 log = logging.getLogger("hostmove.source.reverting")
 
 
+async def unchanged_since_stop(record: Record, files_dir: Path, timers: Timers, host: str) -> str | None:
+    """The ``verify`` of a recovery on the source (§7.4 reverting, §7.8 ``verified``): its files and timers on this
+    box are what the cut recorded at ``stopped``; answers why not, or None."""
+    files = (await blocking(plain_digest, files_dir, None, host=host)).plain
+    return revert.verify_refused(record, files, timers.digest(host))
+
+
 @dataclass(frozen=True)
 class RevertResult:
     """What one step did: ``progressed`` (step again now), or why it stopped (``reason``) and ``report`` when the
@@ -106,8 +113,7 @@ class RevertRunner:
         ``stopped`` recorded, else the move is ``stuck`` with the reason."""
         if not self.registry.hold(host, "restoring", move_id):
             return RevertResult(st, False, f"the route of {host} is held by another operation")
-        files = (await blocking(plain_digest, self.files_dir(host), None, host=host)).plain
-        why = revert.verify_refused(record, files, self.timers.digest(host))
+        why = await unchanged_since_stop(record, self.files_dir(host), self.timers, host)
         if why is not None:
             now = self.ledger.clock.now_ms()
             await self.ledger.transition("record", host, "revert-stuck",

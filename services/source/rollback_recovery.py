@@ -12,16 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostmove.ports import blocking
 from services.box.activator import Activator, Started
-from services.box.archive import plain_digest
 from services.box.registry import Registry
 from services.box.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move import rollback
 from services.move.finalize import Finalizer, StepReport
 from services.move.stepping import until_still
-from services.source.revert import verify_refused
+from services.source.reverting import unchanged_since_stop
 
 log = logging.getLogger("hostmove.source.rollback")
 
@@ -81,8 +79,7 @@ class RollbackRecovery:
         if phase == "claimed":  # verified: the source's own files and timers, as the cut recorded them
             if not self.registry.hold(host, "restoring", rb.id, replaces=move_id):
                 return RecoveryResult(False, f"the route of {host} is held by another operation")
-            files = (await blocking(plain_digest, self.files_dir(host), None, host=host)).plain
-            why = verify_refused(record, files, self.timers.digest(host))
+            why = await unchanged_since_stop(record, self.files_dir(host), self.timers, host)
             if why is not None:
                 reason = f"the rollback's source recovery is stuck: {why}"
                 await self.ledger.transition("record", host, "rollback-stuck",
