@@ -25,7 +25,6 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, TextIO
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -33,6 +32,7 @@ import aiohttp
 
 from hostmove.copy import say
 from hostmove.ports import Clock, WallClock
+from hostmove.timetext import utc_text
 
 ENV_URL = "HOSTMOVE_DOOR_URL"
 ENV_TOKEN = "HOSTMOVE_TOKEN"
@@ -360,12 +360,6 @@ def timings(move: Mapping[str, Any], now_ms: int) -> list[Timing]:
     ]
 
 
-def _when(ms: Any) -> str:
-    if ms is None:
-        return "-"
-    return datetime.fromtimestamp(int(ms) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
     """``hostmove move status``: the door's sentence, the phase, the reasons, and the §13 timings."""
     lines = [str(view.get("message", ""))]
@@ -377,7 +371,7 @@ def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
     move = _move(view)
     if move is not None:
         lines.append(f"move {move.get('id')}: {move.get('from')} to {move.get('to')}, cut {move.get('cut')}, "
-                     f"requested by {move.get('requested_by') or '-'} at {_when(move.get('requested_at'))}")
+                     f"requested by {move.get('requested_by') or '-'} at {utc_text(move.get('requested_at'))}")
         lines.append(f"phase: {move.get('state')}, cut phase {move.get('cut_phase') or '-'}, "
                      f"landing phase {move.get('landing_phase') or '-'}")
         rollback = move.get("rollback") or {}
@@ -391,7 +385,7 @@ def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
         lines += [t.line() for t in timings(move, now_ms)]
     last = view.get("last_move")
     if isinstance(last, dict):
-        lines.append(f"last move: {last.get('id')} ended {last.get('outcome')} at {_when(last.get('at'))}")
+        lines.append(f"last move: {last.get('id')} ended {last.get('outcome')} at {utc_text(last.get('at'))}")
     if move is None:
         lines.append("timings: shown while a move is live; the move log (§13) keeps a closed move's")
     return lines

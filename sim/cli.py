@@ -27,6 +27,7 @@ from hostmove import rules
 __all__ = ["main"]
 
 COMMANDS = ("gate", "sweep", "witness", "moves", "rules")
+MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "reboots", "disks_lost")
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:
@@ -151,10 +152,9 @@ def _cmd_moves(args: argparse.Namespace) -> int:
         lines = result.report()
         failed = bool(result.violations or result.error)
         bad += failed
-        print(f"moves seed={seed} steps={result.steps} trace={result.trace_hash} "
-              f"moves_done={result.counters.get('moves_done', 0)} "
-              f"moves_aborted={result.counters.get('moves_aborted', 0)} "
-              f"moves_rolled_back={result.counters.get('moves_rolled_back', 0)} {'FAILED' if failed else 'ok'}")
+        shown = " ".join(f"{k}={result.counters.get(k, 0)}" for k in MOVE_COUNTERS)
+        print(f"moves seed={seed} steps={result.steps} trace={result.trace_hash} {shown} "
+              f"{'FAILED' if failed else 'ok'}")
         for line in lines[:-1]:
             print("  " + line)
         if failed and args.trace:

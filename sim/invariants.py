@@ -17,7 +17,9 @@ change what it checks):
 - ``INV-13``: no writer is admitted while the claim is creating, deleting, parking, purging, placing
   or free (digest D§3.7);
 - ``C5a``: claims and records are never deleted;
-- ``marker-order``: ``generation.json`` never goes back to an older generation (§5.1, model 29);
+- ``marker-order``: ``generation.json`` never goes back to an older generation (§5.1, model 29); a retirement
+  that removes the version judged against ends that history (what lands in a parked location is residue:
+  the world with moves checks it under INV-10);
 - ``M17``: no request the IAM policy denies (ruling M17);
 - ``INV-3`` quiescence: the calm phase converges with no human (checked by the run);
 - ``actor-error``: an actor failed with an exception no service may raise (a defect).
@@ -94,7 +96,7 @@ class Checker:
         self.bodies: dict[tuple[str, str], dict[int, bytes]] = {}
         self.current: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.stream_last: dict[tuple[str, str], int] = {}
-        self.markers: dict[tuple[str, str], tuple[int | None, str]] = {}
+        self.markers: dict[tuple[str, str], tuple[int | None, str, str | None]] = {}  # session, gen, version
         self.gen_session: dict[tuple[str, str], int] = {}
         self.procs: list[Proc] = []
 
@@ -124,6 +126,12 @@ class Checker:
                     self.flag("durable-boundary", f"the roster written by {w.request.principal} fails it: {exc}")
         elif w.key.endswith("/generation.json") and w.body is not None:
             self._marker(w)
+        elif w.key.endswith("/generation.json") and w.removed_version:
+            prev = self.markers.get((w.bucket, w.key))
+            if prev is not None and prev[2] == w.version_id:
+                # A retirement removed the version the order is judged against: the location was parked (§6.4),
+                # and what lands there later is residue for the straggler sweep (INV-10), not a step back.
+                del self.markers[(w.bucket, w.key)]
 
     def _ledger_object(self, w: Landed, obj: str, host: str) -> None:
         who = w.request.principal
@@ -188,7 +196,7 @@ class Checker:
             self.flag("marker-order", f"generation.json of {marker.host} went back from generation {prev[1]} "
                                       f"(session {prev[0]}) to the older {gen} (session {session}), "
                                       f"written by {w.request.principal}")
-        self.markers[(w.bucket, w.key)] = (session, gen)
+        self.markers[(w.bucket, w.key)] = (session, gen, w.version_id)
 
     # -- the stream ---------------------------------------------------------------------------------
 

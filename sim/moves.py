@@ -12,8 +12,9 @@ production actors of a move instead of the box stand-in:
 - the **console** creates hosts, relays, runs the recovery pass (:class:`services.recovery.recovery.RecoveryPass`)
   and asks the door (:class:`services.door.api.Door`, in-process) for the seed's moves and manual cuts;
 - the **edge** sends each host's writes to the box its claim names (an instance acknowledges after its commit);
-- the **chaos** actor crashes agents and the console (memory lost, disk kept); named failpoints of the landing
-  and the finalizers crash an agent mid-move.
+- the **chaos** actor crashes agents and the console (memory lost, disk kept); one agent crash in four is its box's
+  reboot, and half of those lose the box's disk (it is provisioned again before its agent starts); named
+  failpoints of the landing and the finalizers crash an agent mid-move.
 
 Invariants beyond :class:`sim.invariants.Checker`'s (spec §4; model digest §1): INV-2 (every acknowledged write
 is in the serving database, or its writer session is declared lost by a later admission), INV-5 (no public
@@ -60,6 +61,7 @@ from services.objstore.port import StoreError
 from services.recovery.recovery import RecoveryPass
 from services.source import phases as source_phases
 from services.source.staging import snapshot_prefix
+from services.sweeper.straggler import serving_region
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeApp, ProcessApp
 from services.target.worker import staging_prefix
@@ -80,8 +82,13 @@ SIM_APP = AppSpec(argv=["sim-instance"], env=lambda host, data_dir, port, region
     ready_within_s=20)
 AGENT_TIMING = AgentTiming(scan_s=60.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=30.0, within_s=3600.0, max_passes=400),
-    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40)
+    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0)
 FAILPOINT_P = 0.01
+DISK_LOST_P = 0.5
+RESIDUE_BOUND_S = 3600.0
+"""Residue in a left location is retired within the sweep's cadence, a scan and the horizon ``H`` (about 1,400 s in
+the production timing); an hour of the calm phase is the bound INV-10 allows it."""
+"""Of a box's reboots, the share that lose its disk (issue 5 item 3): every local file of the box is gone."""
 LIVELOCK_PASSES = 5
 """Consecutive passes of one host that each use every step and ask to run again at once: a livelock (INV-3, the
 calm phase cannot converge). A pass that waits schedules its wake later; a pass that progresses ends its steps."""
@@ -332,6 +339,11 @@ class MoveWorld(World):
         self._reported = 0
         self.js.observers.append(self._audit)
         self.s3.policy = M17Policy(DEPLOY, {r: region_bucket(r) for r in REGIONS})
+        self.unprovisioned: set[str] = set()  # boxes whose disk was lost, not provisioned again yet
+        self.reboots = 0
+        self.residue_seen: dict[tuple[str, str], float] = {}
+        self.disks_lost = 0
+        self.provisioning: set[str] = set()
 
     def box_factory(self, label: str, region: str) -> Callable[[int], Any]:
         return functools.partial(MoveBox, self, label, region)
@@ -387,8 +399,9 @@ class MoveWorld(World):
 
     def box_agent_died(self, label: str) -> None:
         """An agent crash leaves its instances running in their leaves (cgroups outlive the agent); one crash in four
-        is the box's reboot, with its disk kept: every process of the box dies and a new boot begins (the cgroups are
-        gone; the spawn journal says what ran in the boot before, §5.3 joint D3)."""
+        is the box's reboot: every process of the box dies and a new boot begins (the cgroups are gone; the spawn
+        journal says what ran in the boot before, §5.3 joint D3). Half of the reboots lose the disk too: every
+        local file of the box (issue 5 item 3), and the box is provisioned again before its agent starts."""
         if not self.plan.fault("chaos.reboot", 0.25):
             return
         tree = self.trees[label]
@@ -396,7 +409,42 @@ class MoveWorld(World):
             tree.kill(host, "the box rebooted")
         tree.leaves.clear()
         tree.boot += 1
-        self.trace.emit(label, f"reboot: boot {tree.boot}, every process of the box died, its disk kept")
+        self.reboots += 1
+        if not self.plan.fault("chaos.disk_lost", DISK_LOST_P):
+            self.trace.emit(label, f"reboot: boot {tree.boot}, every process of the box died, its disk kept")
+            return
+        shutil.rmtree(self.root / "boxes" / label, ignore_errors=True)
+        tree.journal.clear()  # the spawn journal is on the box's disk
+        self.disks_lost += 1
+        self.unprovisioned.add(label)
+        self.trace.emit(label, f"reboot: boot {tree.boot}, every process of the box died, its disk lost")
+
+    def start(self, name: str) -> Any:
+        """A box whose disk was lost is provisioned again (``hostmove box init``: its directory, its copy of the
+        secrets key, its roster entry refreshed) before its agent starts (the agent refuses a box directory without
+        ``box.json``, services/agent/config.py)."""
+        if name not in self.unprovisioned:
+            return super().start(name)
+        if name not in self.provisioning:
+            self.provisioning.add(name)
+            asyncio.ensure_future(self._provision(name))
+        return None
+
+    async def _provision(self, label: str) -> None:
+        region = self.boxes[label]
+        clock = self.actor_clock(label)
+        store = self.s3.client(Principal("box", label, region), clock)
+        events = SimEventLog(self.js, f"{label}-init", fates=self.plan)
+
+        async def init() -> None:
+            await init_box(root=self.root, label=label, region=region, store=store, bucket=DEPLOY, events=events,
+                           clock=clock, actor=Actor(service="box-init", pid=1, nonce="init", box=label))
+
+        await retry_expected(lambda what: self.trace.emit(label, what), "box init", init)
+        self.trace.emit(label, "box init: provisioned again on its new disk")
+        self.unprovisioned.discard(label)
+        self.provisioning.discard(label)
+        super().start(label)
 
     def write(self, host: str, value: str) -> None:
         """One write from the app's users: to the box the claim names, to the instance it serves."""
@@ -486,6 +534,7 @@ class MoveWorld(World):
             if not any(p.box == claim.op.exec and p.session == holder.session
                        for p in self.checker.procs if p.host == plan.host):
                 out.append(f"{plan.host} is not running on {claim.op.exec} as session {holder.session}")
+        out += self._residue()
         if not self.s3.idle():
             out.append(f"{len(self.s3.inflight)} object-store requests in flight")
         for (obj, host), (gen, _body) in sorted(self.checker.current.items()):
@@ -507,6 +556,30 @@ class MoveWorld(World):
         for f in self.protocol.findings:  # now the held checks too
             if f.severity == "error":
                 self.checker.flag("protocol", f"{f.host}: {f.what}")
+
+    def _residue(self) -> list[str]:
+        """INV-10 for what lands late (§6.4 the straggler sweep): a host at rest has nothing current in its
+        location of a region it is not served in. The calm phase waits for the sweep to retire it; residue the calm
+        phase has seen for longer than :data:`RESIDUE_BOUND_S` is a violation (the sweep's bounded liveness)."""
+        out = []
+        for plan in self.workload.hosts:
+            claim = self.checker.claims.get(plan.host)
+            served = serving_region(claim) if claim is not None else None
+            if claim is None or claim.holder is None or claim.op.kind != "serving" or served is None:
+                continue
+            for region in REGIONS:
+                prefix = claim.holder.location.rstrip("/") + "/"
+                left = self.s3.current_keys(region_bucket(region), prefix) if region != served else []
+                if left:
+                    line = (f"{len(left)} objects left in {region_bucket(region)}/{prefix}, a location "
+                            f"{plan.host} left (first {left[0]})")
+                    out.append(line)
+                    seen = self.residue_seen.setdefault((region, prefix), self.loop.time())
+                    if self.loop.time() - seen > RESIDUE_BOUND_S:
+                        self.checker.flag("INV-10", f"{line}, for {self.loop.time() - seen:.0f} s of the calm phase")
+                else:
+                    self.residue_seen.pop((region, prefix), None)
+        return out
 
     async def _inv10(self) -> None:
         for host, record in sorted(self.records.items()):
@@ -596,7 +669,8 @@ class MoveWorld(World):
     def extra_counters(self) -> dict[str, int]:
         ended = [r.last_move.outcome for r in self.records.values() if r.last_move is not None]
         return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
-                "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks)}
+                "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
+                "reboots": self.reboots, "disks_lost": self.disks_lost}
 
     def cleanup(self) -> None:
         if self.workdir is not None:

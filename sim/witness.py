@@ -328,6 +328,25 @@ async def w_cut_deadline(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+async def w_straggler(world: World) -> None:
+    """A level-0 upload of the source's replicator into its location in ie is accepted once the move is requested
+    and held on the server (a completion long after the client gave up and retried the same bytes); it lands only
+    after the move closed, when the source's park has verified the location empty and been acknowledged. The
+    straggler is residue in a location the host left (§6.4): ie-1's at-rest sweep queues a ``park-sweep``,
+    parks it by exact versions after the horizon and acknowledges. Mutated (``straggler-sweep`` off), the residue
+    stays: INV-10 once the calm phase has seen it for an hour."""
+    mw = await _serving_with_writes(world, 3)
+    hold = world.s3.hold(lambda r: r.principal.name == "ie-1" and r.access.op == "put" and r.access.bucket != DEPLOY
+                         and r.access.key.startswith(f"instances/{H}/") and mw.records.get(H) is not None
+                         and mw.records[H].move is not None, stage="accepted", once=True)
+    await _request_move(mw, "uk")
+    await world.until("an upload of the source held", lambda: bool(hold.matched), timeout=4 * 3600.0)
+    await _closed(mw)
+    hold.release()
+    await world.until("the straggler landed", lambda: not world.s3.inflight, timeout=3600.0)
+    await _writes(mw, 2, "after")
+
+
 WITNESSES: tuple[Witness, ...] = (
     Witness("wMove", ("close-record-first",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
     Witness("wParkExact", ("park-exact-versions",), "actor-error", ((H, "ie-1"),), w_move,
@@ -335,6 +354,8 @@ WITNESSES: tuple[Witness, ...] = (
             "markers it leaves and stops with ParkError (the park's own check, reported as actor-error).", moves=True),
     Witness("wCutDeadline", ("cut-deadline", "commit-deadline"), "INV-9", ((H, "ie-1"),), w_cut_deadline,
             w_cut_deadline.__doc__ or "", moves=True),
+    Witness("wStraggler", ("straggler-sweep",), "INV-10", ((H, "ie-1"),), w_straggler, w_straggler.__doc__ or "",
+            moves=True),
     Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
             w_admit_before_start.__doc__ or ""),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import pytest
 import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
@@ -34,13 +36,16 @@ from services.box.activator import (
     StartPolicy,
     StartRefused,
     remove_box_data,
+    unshipped_path,
 )
 from services.box.markers import read_files_gen
 from services.box.proctree import CgroupTree
 from services.box.registry import Registry, RouteRow
+from services.box.replica.restore import restore_generation
 from services.box.stamps import StampBook
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
+from services.objstore.port import StoreUnavailable
 from services.objstore.s3 import S3Store
 
 INC = "cd" * 32
@@ -225,6 +230,51 @@ async def test_unsynced_acknowledged_writes_are_declared_lost(world: World, uniq
     assert seen["max_seq"] >= max(synced), "every uploaded row is there"
     assert seen["max_seq"] < max(unsynced), "the unsynced tail is what the declaration covers"
     await b.close()
+
+
+class _PutsTimeOut:
+    """The box's store with every PUT timing out (the outcome unknown); everything else passes through."""
+
+    def __init__(self, inner: S3Store) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def put(self, bucket: str, key: str, body: bytes, **kw: object) -> object:
+        raise StoreUnavailable(f"put {bucket}/{key}: no answer within 30 s; the outcome is unknown")
+
+
+async def test_a_stop_whose_final_sync_failed_ships_every_commit_on_the_next_stop(
+    world: World, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The replicator's close after a failed final upload is the database's last connection, and SQLite checkpoints
+    on the last close: the unshipped frames move into the database file and the WAL empties, so "an empty WAL has
+    nothing to ship" would lose them for good (found by the simulation's wStraggler: a cut's final PUT held on the
+    server). ``<host>.unshipped`` makes the next stop flush the whole database."""
+    ctx = world.box("ie-u")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    started = await act.wake(host)
+    assert isinstance(started, Started), started
+    seqs = [await asyncio.to_thread(post_write, started.port, f"w{i}") for i in range(6)]
+    running = act.running[host]
+    running.replicator.store = _PutsTimeOut(world.store)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable):
+        await act.stop(host)
+    db = ctx.db_path(host)
+    assert unshipped_path(db).exists(), "the failed final sync leaves its mark"
+    wal = Path(f"{db}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0, "SQLite's checkpoint on the last close emptied the WAL"
+    assert await act.stop(host) is None, "no certificate: the session did not close clean"
+    claim = (await world.ledger.read_claim(host)).state
+    assert claim is not None and claim.holder is not None
+    scratch = tmp_path / "restored.db"
+    await restore_generation(world.store, world.bucket, claim.holder.location, started.generation, scratch)
+    with sqlite3.connect(scratch) as conn:
+        have = {seq for (seq,) in conn.execute("SELECT seq FROM rows WHERE kind = 'write'")}
+    assert set(seqs) <= have, f"acknowledged writes missing from the bucket: {sorted(set(seqs) - have)}"
+    assert not unshipped_path(db).exists(), "shipped: the next stop of this installation adds nothing"
 
 
 async def test_refusals_change_nothing(world: World, unique: Callable[[str], str]) -> None:

@@ -81,6 +81,17 @@ def test_the_lease_is_taken_renewed_by_its_holder_and_refused_to_another_until_e
         take("")
 
 
+def test_the_refusal_names_when_the_lease_frees_and_reads_the_same_every_round() -> None:
+    """The reason lands in the record's move reason, written only when it changes: a countdown in it rewrote the
+    record every round and woke every agent again (the simulation's seed 28 spun for 40 virtual minutes)."""
+    a = take()
+    assert isinstance(a, StagingLease)
+    first, later = take("ie-1/b", NOW + 1, a), take("ie-1/b", NOW + 7_000, a)
+    assert isinstance(first, Refusal) and isinstance(later, Refusal)
+    assert first.reason == later.reason
+    assert "until 2027-01-15 08:00:10 UTC" in first.reason, first.reason
+
+
 def test_only_the_holder_named_in_the_object_renews() -> None:
     a = take()
     assert isinstance(a, StagingLease)

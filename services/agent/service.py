@@ -68,6 +68,7 @@ from services.move.sides import (
 )
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
+from services.sweeper.straggler import StragglerSweep, SweepReport
 from services.target.probe import FAST as PROBE_FAST
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeTiming
@@ -91,11 +92,13 @@ class AgentTiming:
     timer_tick_s: float = 0.1
     wake_backoff_max_s: float = 60.0
     max_steps: int = 40
+    sweep_s: float = 10.0
+    """How often the box looks for stragglers in a host's left location in its region (§6.4, at rest)."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
-    timer_tick_s=1.0)
+    timer_tick_s=1.0, sweep_s=600.0)
 FAST_AGENT = AgentTiming()
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
 
@@ -150,6 +153,9 @@ class BoxAgent:
             ready_url=self._ready_url), self.timing.move, faults=faults)
         self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
                                     self.timing.move, faults=faults)
+        self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
+            store, cfg.data_bucket, clock, timing=self.timing.move.park), clock)
+        self._sweep_next: dict[str, float] = {}
         self._dirty: set[str] = set()
         self._due: dict[str, float] = {}
         self._wake = asyncio.Event()
@@ -298,7 +304,8 @@ class BoxAgent:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def scan(self) -> set[str]:
-        """Every host whose claim names this box (exec or participant)."""
+        """Every host whose claim names this box (exec or participant); the others get the region's straggler
+        sweep on its own cadence (``sweep_s``)."""
         keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
         hosts = set()
         for key in keys:
@@ -308,7 +315,28 @@ class BoxAgent:
             claim = (await self.ledger.read_claim(host)).state
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants):
                 hosts.add(host)
+            elif claim is not None:
+                await self._sweep(host)
         return hosts
+
+    async def _sweep(self, host: str) -> None:
+        """One look of the straggler sweep at ``host`` when due (:mod:`services.sweeper.straggler`); a failure is
+        logged and looked at again after ``retry_s`` (a read error never acts)."""
+        now = self.clock.monotonic()
+        if self._sweep_next.get(host, 0.0) > now:
+            return
+        next_at = now + self.timing.sweep_s
+        try:
+            report = await self.sweeper.look(host)
+        except Exception as exc:  # noqa: BLE001 - logged, retried: every step of the sweep is idempotent
+            log.warning("straggler sweep of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "")
+            report, next_at = SweepReport(), now + self.timing.retry_s
+        if report.did:
+            log.info("%s %s", host, report.did)
+        if report.wake_at is not None:
+            next_at = min(next_at, now + max(0.0, (report.wake_at - self.clock.now_ms()) / 1000))
+        self._sweep_next[host] = next_at
 
     def notify(self, host: str) -> None:
         self._dirty.add(host)

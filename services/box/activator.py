@@ -43,7 +43,7 @@ from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.record import Rollback
 from hostmove import rules
-from hostmove.fsutil import fsync_dir
+from hostmove.fsutil import atomic_write, fsync_dir
 from hostmove.ports import Clock, Random, blocking, free_port, http_status
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.archive import ArchiveError, UnsupportedEntry
@@ -222,9 +222,18 @@ class BoxContext:
         return self.data_dir / host
 
 
+def unshipped_path(db_path: Path) -> Path:
+    """``<host>.unshipped``: written before a stop's final sync, removed once it shipped every frame. While it
+    exists the local database may hold commits the bucket does not: the replicator's close after a failed upload
+    lets SQLite checkpoint the unshipped frames into the database file (the last connection's checkpoint on
+    close), so an empty WAL no longer proves there is nothing to ship (:meth:`Activator.flush_orphan`)."""
+    return db_path.with_suffix(".unshipped")
+
+
 def purge_local_db(db_path: Path) -> None:
-    """Remove the local database, its WAL, SHM and ``.gen`` (step 3: error-returning)."""
-    for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen")):
+    """Remove the local database, its WAL, SHM, ``.gen`` and ``.unshipped`` (step 3: error-returning)."""
+    for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen"),
+                 unshipped_path(db_path)):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -404,6 +413,10 @@ class Activator:
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
         )
         await self._ready(port, spawned, logs / f"{host}.err")
+        # The files manifest before the generation's first upload: a generation that holds data always has a
+        # manifest to restore its files from after a lost disk (L17; the simulation's lost disk found a first wake
+        # that died between its first upload and its manifest, which left the host unstartable for good).
+        await self._publish_files(claim)
         replicator = await Replicator.open(ctx.data_store, ctx.data_bucket, holder.location, holder.generation, db,
                                            ctx.clock)
         try:
@@ -416,7 +429,6 @@ class Activator:
                                                         current.etag)
             if isinstance(published, Lost):
                 raise StartError("generation.json changed under this start; the claim is re-read on the next wake")
-            await self._publish_files(claim)
         except BaseException:
             await replicator.close()
             raise
@@ -559,6 +571,8 @@ class Activator:
             with contextlib.suppress(asyncio.CancelledError):
                 await running.task
         rep = running.replicator
+        unshipped = unshipped_path(self.ctx.db_path(host))
+        atomic_write(unshipped, f"{running.generation}\n".encode())
         try:
             await rep.sync()
             await rep.checkpoint("TRUNCATE")
@@ -568,6 +582,7 @@ class Activator:
             await rep.close()
         if not clean:
             return None
+        unshipped.unlink(missing_ok=True)
         cert = Certificate(session=running.session, box=self.ctx.label, generation=running.generation,
                            max_txid=rep.position, closed_at=self.ctx.clock.now_ms())
         key = certificate_key(running.location, running.generation, running.session)
@@ -591,7 +606,8 @@ class Activator:
         if holder.writer_box != self.ctx.label or read_local_gen(db) != holder.generation:
             return None
         wal = Path(f"{db}-wal")
-        if not wal.exists() or wal.stat().st_size <= WAL_HEADER_BYTES:
+        unshipped = unshipped_path(db)
+        if not unshipped.exists() and (not wal.exists() or wal.stat().st_size <= WAL_HEADER_BYTES):
             return None  # every frame is in the database file already: a stop's final checkpoint emptied the WAL
         rep = await Replicator.open(self.ctx.data_store, self.ctx.data_bucket, holder.location, holder.generation,
                                     db, self.ctx.clock, options=ReplicaOptions(flush_first=True))
@@ -601,6 +617,7 @@ class Activator:
             await rep.checkpoint("TRUNCATE")  # flushed: a replay of this stop finds an empty WAL and adds nothing
         finally:
             await rep.close()
+        unshipped.unlink(missing_ok=True)
         log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
                  rep.position)
         return rep.position

@@ -34,6 +34,7 @@ import msgspec
 from events.base import Durable, Ident, Millis, canonical, decode
 from hostmove import rules
 from hostmove.ports import Clock
+from hostmove.timetext import utc_text
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import host_segment
 from services.objstore.port import Got, Lost, ObjectStore
@@ -129,7 +130,7 @@ def decide_acquire(current: StagingLease | None, *, region: str, host: str, op_i
     if now_ms > current.until + timing.skew_ms:
         return fresh
     return Refusal(f"another staging writer ({current.holder}, for {current.op_id}) holds the staging lease of "
-                   f"{host} in {region} for {current.until + timing.skew_ms - now_ms} ms more; this round waits")
+                   f"{host} in {region} until {utc_text(current.until + timing.skew_ms)}; this round waits")
 
 
 def decide_renew(current: StagingLease | None, *, holder: str, op_id: str, now_ms: int,

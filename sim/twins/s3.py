@@ -245,6 +245,11 @@ class SimS3:
         self.holds.append(hold)
         return hold
 
+    def current_keys(self, bucket: str, prefix: str) -> list[str]:
+        """The keys with a current version under ``prefix`` now (an oracle's read: no request, no fault)."""
+        b = self.inner._bucket(bucket)
+        return sorted(k for k in b.keys if k.startswith(prefix) and self.inner._current(b, k) is not None)
+
     def idle(self) -> bool:
         return not self.inflight
 
