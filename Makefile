@@ -28,11 +28,12 @@ bench: $(STAMP)
 # Longer simulation runs, outside `make test` (which runs the 300-seed gate, every witness and the
 # determinism check through tests/test_sim.py).
 SEEDS ?= 3000
+MOVE_SEEDS ?= 20
 sim-baseline: $(STAMP)
 	$(BIN)/hostmove sim gate --seeds $(SEEDS)
 
 sim-sweep: $(STAMP)
-	$(BIN)/hostmove sim sweep --seeds $(SEEDS)
+	$(BIN)/hostmove sim sweep --seeds $(SEEDS) --move-seeds $(MOVE_SEEDS)
 
 # The crash matrix at every named failpoint of a move (SIGKILL, restart, converge); `make test` runs a spread.
 crash-matrix: $(STAMP)

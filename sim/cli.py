@@ -4,7 +4,7 @@
     hostmove sim gate [--seeds 300] [--moves 20] [--jobs J]
                                                       seeds unmutated, determinism, every witness; then the
                                                       first --moves seeds of the world with moves, each twice
-    hostmove sim sweep --seeds N [--rules a,b] [--jobs J] [--out PATH]
+    hostmove sim sweep --seeds N [--move-seeds M] [--rules a,b] [--jobs J] [--out PATH]
                                                       each rule off alone, classified; writes sim/RESULTS.md
     hostmove sim witness [NAME] [--rules a,b] [--trace]
                                                       run witnesses (all three ways, or under --rules)
@@ -55,6 +55,8 @@ def _command_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="switch each rule off alone and classify")
     s.add_argument("--seeds", type=int, required=True)
     s.add_argument("--rules", type=_rules_arg, default=None)
+    s.add_argument("--move-seeds", type=int, default=0,
+                   help="also each rule over the first N seeds of the world with moves (seconds a seed)")
     s.add_argument("--jobs", type=int, default=None)
     s.add_argument("--out", type=Path, default=None, help="where to write the results (default sim/RESULTS.md)")
     w = sub.add_parser("witness", help="run witnesses")
@@ -132,12 +134,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print("sweep: --seeds must be at least 1", file=sys.stderr)
         return 2
     try:
-        verdicts = sweep(args.seeds, rule_names=args.rules, jobs=args.jobs)
+        verdicts = sweep(args.seeds, rule_names=args.rules, jobs=args.jobs, move_seeds=max(0, args.move_seeds))
     except ValueError as exc:
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
     out = args.out or RESULTS_PATH
-    write_results(verdicts, args.seeds, out)
+    write_results(verdicts, args.seeds, out, move_seeds=max(0, args.move_seeds))
     bad = [v for v in verdicts if v.verdict in ("ERROR", "MISSED", "STALE")]
     print(f"sweep: {len(verdicts)} rules, {len(bad)} ERROR/MISSED/STALE; results in {out}")
     return 1 if bad else 0

@@ -402,15 +402,18 @@ class MoveWorld(World):
         is the box's reboot: every process of the box dies and a new boot begins (the cgroups are gone; the spawn
         journal says what ran in the boot before, §5.3 joint D3). Half of the reboots lose the disk too: every
         local file of the box (issue 5 item 3), and the box is provisioned again before its agent starts."""
-        if not self.plan.fault("chaos.reboot", 0.25):
-            return
+        if self.plan.fault("chaos.reboot", 0.25):
+            self.reboot(label, lose_disk=self.plan.fault("chaos.disk_lost", DISK_LOST_P))
+
+    def reboot(self, label: str, *, lose_disk: bool) -> None:
+        """The box's reboot, its agent already dead (see :meth:`box_agent_died`)."""
         tree = self.trees[label]
         for host in sorted(tree.leaves):
             tree.kill(host, "the box rebooted")
         tree.leaves.clear()
         tree.boot += 1
         self.reboots += 1
-        if not self.plan.fault("chaos.disk_lost", DISK_LOST_P):
+        if not lose_disk:
             self.trace.emit(label, f"reboot: boot {tree.boot}, every process of the box died, its disk kept")
             return
         shutil.rmtree(self.root / "boxes" / label, ignore_errors=True)
@@ -547,10 +550,11 @@ class MoveWorld(World):
         self._protocol()
         await self._inv10()
         # Replication is asynchronous (§5.1): a write is acknowledged after its local commit and uploaded by the
-        # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged.
+        # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged
+        # before it; the edge keeps writing, and its last writes are the serving form's alone.
         await asyncio.sleep(2 * AGENT_TIMING.sync_interval_s)
-        await self._inv2_cold()  # the first violation ends the run: the stronger form first
-        self._inv2()
+        await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s)  # the stronger form
+        self._inv2()  # first: the first violation ends the run
 
     def _protocol(self) -> None:
         for f in self.protocol.findings:  # now the held checks too
@@ -607,10 +611,12 @@ class MoveWorld(World):
             db = self.root / "boxes" / claim.op.exec / "data" / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
 
-    async def _inv2_cold(self) -> None:
+    async def _inv2_cold(self, *, uploaded_by: float) -> None:
         """INV-2 on a cold restore from the bucket (issue 5 item 5): at quiescence the serving generation, restored
         with the production restore into a scratch file, holds every acknowledged write not declared lost; what a
-        box served but never uploaded is lost with its disk, which is what this form catches."""
+        box served but never uploaded is lost with its disk, which is what this form catches. Replication is
+        asynchronous (§5.1): writes acknowledged after ``uploaded_by`` (the last two sync intervals; the edge may
+        still be writing) are the serving form's to check, not this one's."""
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None or claim.op.exec not in self.slots:
@@ -625,9 +631,10 @@ class MoveWorld(World):
                 self.checker.flag("INV-2", f"the serving generation {claim.holder.generation} of {plan.host} does "
                                            f"not restore from {region_bucket(region)}: {exc}")
                 continue
-            self._inv2_rows(plan.host, scratch, f"a cold restore of generation {claim.holder.generation}")
+            self._inv2_rows(plan.host, scratch, f"a cold restore of generation {claim.holder.generation}",
+                            acked_by=uploaded_by)
 
-    def _inv2_rows(self, host: str, db: Path, where: str) -> None:
+    def _inv2_rows(self, host: str, db: Path, where: str, acked_by: float | None = None) -> None:
         rows: dict[int, tuple[str, str]] = {}
         if db.exists():
             conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -640,6 +647,8 @@ class MoveWorld(World):
                 conn.close()
         for ack in self.acks:
             if ack.host != host or rows.get(ack.seq) == (ack.app_session, ack.value):
+                continue
+            if acked_by is not None and ack.at > acked_by:
                 continue
             if ack.writer_session is not None and (ack.host, ack.box, ack.writer_session) in self.lost:
                 continue

@@ -173,10 +173,10 @@ def _judge_seeds(report: GateReport, first: list[Result], second: list[Result], 
         f"{distinct} distinct traces, {sum(r.steps for r in first)} steps")
 
 
-def _move_seed(seed: int) -> Result:
+def _move_seed(seed: int, mutate: tuple[str, ...] = ()) -> Result:
     from sim.moves import run_move_seed
 
-    return run_move_seed(seed)
+    return run_move_seed(seed, mutate=mutate)
 
 
 def moves_gate(seeds: int = 20, *, jobs: int | None = None, out: Out = print) -> GateReport:
@@ -256,15 +256,23 @@ class RuleVerdict:
     consulted: int = 0
     errors: list[str] = field(default_factory=list)
     note: str = ""
+    move_seeds: int = 0
+    move_hits: int = 0
+    first_move_seed: int | None = None
+    first_move_violation: str = ""
 
     def line(self) -> str:
         first = f" (first seed {self.first_seed})" if self.first_seed is not None else ""
-        text = f"{self.verdict} {self.rule}: sweep {self.hits} of {self.seeds}{first}; witness {self.witness}"
+        text = f"{self.verdict} {self.rule}: sweep {self.hits} of {self.seeds}{first}"
+        if self.move_seeds:
+            mfirst = f" (first seed {self.first_move_seed})" if self.first_move_seed is not None else ""
+            text += f"; moves {self.move_hits} of {self.move_seeds}{mfirst}"
+        text += f"; witness {self.witness}"
         return text + (f"; {self.note}" if self.note else "")
 
 
 def classify(v: RuleVerdict, expected: Expected | None) -> RuleVerdict:
-    caught = v.hits > 0 or v.witness == "violated"
+    caught = v.hits > 0 or v.move_hits > 0 or v.witness == "violated"
     if v.errors or v.witness == "error":
         v.verdict = "ERROR"
         v.note = v.errors[0] if v.errors else "a witness run failed"
@@ -291,13 +299,30 @@ def classify(v: RuleVerdict, expected: Expected | None) -> RuleVerdict:
     return v
 
 
+def _tally(v: RuleVerdict, runs: Sequence[Result], what: str) -> tuple[int, int | str | None, str]:
+    """Fold one world's runs of ``v``'s rule into its consulted count and errors; answer the runs that violated,
+    the first of them and its violation."""
+    hits, first, line = 0, None, ""
+    for r in runs:
+        v.consulted += r.consulted.get(v.rule, 0)
+        if r.error:
+            v.errors.append(f"{what} {r.seed}: {r.error}")
+        elif r.violations:
+            hits += 1
+            if first is None:
+                first, line = r.seed, r.violations[0].line()
+    return hits, first, line
+
+
 def sweep(seeds: int, *, rule_names: Iterable[str] | None = None, jobs: int | None = None,
-          out: Out = print, expected: dict[str, Expected] | None = None) -> list[RuleVerdict]:
-    """Switch each rule off alone; run the seeds and its single-rule witnesses; classify."""
+          out: Out = print, expected: dict[str, Expected] | None = None, move_seeds: int = 0) -> list[RuleVerdict]:
+    """Switch each rule off alone; run the seeds, the first ``move_seeds`` seeds of the world with moves (each in a
+    fresh process, as the moves gate runs them) and its single-rule witnesses; classify."""
     jobs = jobs or default_jobs()
     expected = load_expected() if expected is None else expected
     names = sorted(rule_names) if rule_names is not None else sorted(rules.RULES)
     seed_jobs = [(s, (name,)) for name in names for s in range(seeds)]
+    move_jobs = [(s, (name,)) for name in names for s in range(move_seeds)]
     witness_jobs = [(w.name, (name,)) for name in names for w in WITNESSES if w.rules == (name,)]
     with contextlib.ExitStack() as stack:
         pool = _pool(jobs)
@@ -305,17 +330,17 @@ def sweep(seeds: int, *, rule_names: Iterable[str] | None = None, jobs: int | No
             stack.enter_context(pool)
         results = _pmap(_seed, seed_jobs, pool)
         wresults = _pmap(_witness, witness_jobs, pool)
+    mresults: list[Result] = []
+    if move_jobs:
+        with _pool(jobs, fresh=True) as fresh:  # type: ignore[union-attr]
+            mresults = _pmap(_move_seed, move_jobs, fresh)
     verdicts: list[RuleVerdict] = []
     for i, name in enumerate(names):
-        v = RuleVerdict(name, "", seeds)
-        for r in results[i * seeds:(i + 1) * seeds]:
-            v.consulted += r.consulted.get(name, 0)
-            if r.error:
-                v.errors.append(f"seed {r.seed}: {r.error}")
-            elif r.violations:
-                v.hits += 1
-                if v.first_seed is None:
-                    v.first_seed, v.first_violation = r.seed, r.violations[0].line()
+        v = RuleVerdict(name, "", seeds, move_seeds=move_seeds)
+        v.hits, v.first_seed, v.first_violation = _tally(v, results[i * seeds:(i + 1) * seeds], "seed")
+        v.move_hits, first, v.first_move_violation = _tally(
+            v, mresults[i * move_seeds:(i + 1) * move_seeds], "move seed")
+        v.first_move_seed = None if first is None else int(str(first).removeprefix("moves:"))
         for (wname, mutate), r in zip(witness_jobs, wresults, strict=True):
             if mutate != (name,):
                 continue
@@ -329,31 +354,39 @@ def sweep(seeds: int, *, rule_names: Iterable[str] | None = None, jobs: int | No
     return verdicts
 
 
-def write_results(verdicts: Sequence[RuleVerdict], seeds: int, path: Path = RESULTS_PATH) -> None:
+def write_results(verdicts: Sequence[RuleVerdict], seeds: int, path: Path = RESULTS_PATH, move_seeds: int = 0) -> None:
     """``sim/RESULTS.md``: the classification table, regenerated from the verdicts (never edited)."""
     counts: dict[str, int] = {}
     for v in verdicts:
         counts[v.verdict] = counts.get(v.verdict, 0) + 1
+    moves = f" --move-seeds {move_seeds}" if move_seeds else ""
+    over = f", the world with moves' seeds 0..{move_seeds - 1}" if move_seeds else ""
     lines = [
         "# Mutation sweep results",
         "",
-        f"Generated by `hostmove sim sweep --seeds {seeds}`: each rule switched off alone over seeds "
-        f"0..{seeds - 1} and its single-rule witnesses (model digest §1). Do not edit; run the sweep again.",
+        f"Generated by `hostmove sim sweep --seeds {seeds}{moves}`: each rule switched off alone over seeds "
+        f"0..{seeds - 1}{over} and its single-rule witnesses (model digest §1). Do not edit; run the sweep again.",
         "",
         "Totals: " + ", ".join(f"{k} {counts[k]}" for k in sorted(counts)),
         "",
-        "| verdict | rule | sweep | first seed | witness | guard consulted | spec | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| verdict | rule | sweep | first seed | moves | first move seed | witness | guard consulted | spec | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
         rule = rules.RULES.get(v.rule)
         section = rule.section if rule else "?"
         first = "" if v.first_seed is None else str(v.first_seed)
+        mfirst = "" if v.first_move_seed is None else str(v.first_move_seed)
         note = v.note.replace("|", "\\|")
-        lines.append(f"| {v.verdict} | `{v.rule}` | {v.hits} of {v.seeds} | {first} | {v.witness} | "
-                     f"{v.consulted} | {section} | {note} |")
+        lines.append(f"| {v.verdict} | `{v.rule}` | {v.hits} of {v.seeds} | {first} | {v.move_hits} of "
+                     f"{v.move_seeds} | {mfirst} | {v.witness} | {v.consulted} | {section} | {note} |")
     firsts = [v for v in verdicts if v.first_violation]
     if firsts:
         lines += ["", "First violation per caught rule (replay with `hostmove sim --seed N --rules RULE --trace`):", ""]
         lines += [f"- `{v.rule}`: `{v.first_violation}`" for v in firsts]
+    mfirsts = [v for v in verdicts if v.first_move_violation]
+    if mfirsts:
+        lines += ["", "First violation per rule caught in the world with moves (replay with `hostmove sim moves "
+                      "--first N --seeds 1 --rules RULE --trace`):", ""]
+        lines += [f"- `{v.rule}`: `{v.first_move_violation}`" for v in mfirsts]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import msgspec
 
 from events.claim import Claim, Op
+from services.agent.config import region_bucket
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
 from services.ledger.ledger import Committed
 from sim.faults import QuietPlan, Timing
 from sim.moves import MoveConsole, MoveWorld
 from sim.run import DEFAULT_TIMING, Result, execute
-from sim.twins.s3 import Request
+from sim.twins.s3 import Hold, Request
 from sim.workload import HostPlan, Workload
 from sim.world import DEPLOY, MilestoneMissed, World
 
@@ -328,6 +329,30 @@ async def w_cut_deadline(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+def _held_upload(mw: MoveWorld) -> Hold:
+    """Hold on the server (accepted, not yet applied) the first upload of the source into its location in ie once
+    the move is requested: the client gives up after its timeout and retries the same bytes."""
+    return mw.s3.hold(lambda r: r.principal.name == "ie-1" and r.access.op == "put" and r.access.bucket != DEPLOY
+                      and r.access.key.startswith(f"instances/{H}/") and mw.records.get(H) is not None
+                      and mw.records[H].move is not None, stage="accepted", once=True)
+
+
+async def w_late_completion(world: World) -> None:
+    """wStraggler's held upload lands right after the source's park listed and archived its location, before its
+    acknowledgement: the park verifies only on a listing later than ``evidence_at + H`` (§6.4), finds it, and parks
+    it as a further event. With ``park-verify-after-horizon`` off the park acknowledges at once and the late
+    completion lands after it; the at-rest sweep retires it (held). With ``straggler-sweep`` off too: INV-10."""
+    mw = await _serving_with_writes(world, 3)
+    hold = _held_upload(mw)
+    await _request_move(mw, "uk")
+    await world.until("an upload of the source held", lambda: bool(hold.matched), timeout=4 * 3600.0)
+    await world.until("the source's park archived its location",
+                      lambda: bool(mw.s3.current_keys(region_bucket("ie"), f"superseded/{H}/")), timeout=4 * 3600.0)
+    hold.release()
+    await _closed(mw)
+    await _writes(mw, 2, "after")
+
+
 async def w_straggler(world: World) -> None:
     """A level-0 upload of the source's replicator into its location in ie is accepted once the move is requested
     and held on the server (a completion long after the client gave up and retried the same bytes); it lands only
@@ -336,14 +361,36 @@ async def w_straggler(world: World) -> None:
     parks it by exact versions after the horizon and acknowledges. Mutated (``straggler-sweep`` off), the residue
     stays: INV-10 once the calm phase has seen it for an hour."""
     mw = await _serving_with_writes(world, 3)
-    hold = world.s3.hold(lambda r: r.principal.name == "ie-1" and r.access.op == "put" and r.access.bucket != DEPLOY
-                         and r.access.key.startswith(f"instances/{H}/") and mw.records.get(H) is not None
-                         and mw.records[H].move is not None, stage="accepted", once=True)
+    hold = _held_upload(mw)
     await _request_move(mw, "uk")
     await world.until("an upload of the source held", lambda: bool(hold.matched), timeout=4 * 3600.0)
     await _closed(mw)
     hold.release()
     await world.until("the straggler landed", lambda: not world.s3.inflight, timeout=3600.0)
+    await _writes(mw, 2, "after")
+
+
+async def w_disk_lost(world: World) -> None:
+    """A host serving on ie-1 takes writes, its replicator syncs, and it takes more writes; then ie-1's agent dies
+    and the box reboots without its disk. The box is provisioned again (``hostmove box init``), its agent starts
+    and wakes the host by a cold admission from the bucket: every uploaded write is back, the writes after the last
+    upload are declared lost (``writes_lost``), and the files directory comes back from the files manifest byte for
+    byte (INV-4, §8.3 L17). Mutated (``files-manifest-restore`` off), the missing files are never restored and the
+    app starts with an empty files directory beside its restored database (moveprobe writes a new key): INV-4."""
+    mw = await _serving_with_writes(world, 3)
+    files = mw.root / "boxes" / "ie-1" / "data" / H
+    before = {p.name: p.read_bytes() for p in sorted(files.iterdir()) if p.is_file() and p.name != ".files-gen"}
+    await asyncio.sleep(2 * 30.0)  # two sync intervals: the writes so far are in the bucket
+    await _writes(mw, 2, "unsynced")
+    world.crash("ie-1", "witness: the box dies with its disk")
+    mw.reboot("ie-1", lose_disk=True)
+    world.start("ie-1")
+    await _serving_on(mw, "ie-1")
+    after = {p.name: p.read_bytes() for p in sorted(files.iterdir()) if p.is_file() and p.name != ".files-gen"}
+    differ = [n for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
+    if differ:
+        world.checker.flag("INV-4", f"the files of {H} after the lost disk differ from those its files manifest "
+                                    f"published ({', '.join(differ)})")
     await _writes(mw, 2, "after")
 
 
@@ -356,6 +403,15 @@ WITNESSES: tuple[Witness, ...] = (
             w_cut_deadline.__doc__ or "", moves=True),
     Witness("wStraggler", ("straggler-sweep",), "INV-10", ((H, "ie-1"),), w_straggler, w_straggler.__doc__ or "",
             moves=True),
+    Witness("wLateCompletion", ("park-verify-after-horizon", "straggler-sweep"), "INV-10", ((H, "ie-1"),),
+            w_late_completion, w_late_completion.__doc__ or "", moves=True),
+    Witness("wDiskLost", ("files-manifest-restore",), "INV-4", ((H, "ie-1"),), w_disk_lost,
+            w_disk_lost.__doc__ or "", moves=True),
+    Witness("wFinalSyncFails", ("final-checkpoint-after-restart",), "INV-2", ((H, "ie-1"),), w_straggler,
+            "wStraggler's script: the held upload is the cut's final sync, which fails; the replicator's close lets "
+            "SQLite checkpoint the unshipped frames into the database file. Mutated (no flush of the local database "
+            "by the retried stop), the stop evidence and the seal stop at the bucket's position and the move loses "
+            "the acknowledged writes of the final sync: INV-2.", moves=True),
     Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
             w_admit_before_start.__doc__ or ""),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,

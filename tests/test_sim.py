@@ -781,8 +781,22 @@ def test_the_sweep_classifies_and_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     write_results(verdicts, 4, out)
     text = out.read_text()
-    assert "| CAUGHT | `admit-before-start` | 4 of 4 | 0 | violated |" in text
+    assert "| CAUGHT | `admit-before-start` | 4 of 4 | 0 | 0 of 0 |  | violated |" in text
     assert "VIOLATION seed=0 INV-1" in text
+
+
+def test_the_sweep_runs_the_rules_over_seeds_of_the_world_with_moves(tmp_path: Path) -> None:
+    """``--move-seeds``: each rule also over the first seeds of the world with moves, each in a fresh process; a
+    violation there counts as a detection with its own first seed and replay line."""
+    (v,) = sweep(1, rule_names=["close-record-first"], jobs=1, out=lambda _line: None, move_seeds=1)
+    assert (v.verdict, v.hits, v.move_seeds, v.move_hits, v.first_move_seed) == ("CAUGHT", 0, 1, 1, 0)
+    assert v.first_move_violation.startswith("VIOLATION seed=0 ")
+    out = tmp_path / "RESULTS.md"
+    write_results([v], 1, out, move_seeds=1)
+    text = out.read_text()
+    assert "`hostmove sim sweep --seeds 1 --move-seeds 1`" in text
+    assert "| CAUGHT | `close-record-first` | 0 of 1 |  | 1 of 1 | 0 |" in text
+    assert "hostmove sim moves --first N --seeds 1 --rules RULE --trace" in text
 
 
 @pytest.mark.parametrize(
