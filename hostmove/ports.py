@@ -16,8 +16,11 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import aiohttp
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -89,6 +92,33 @@ async def http_status(url: str, timeout_s: float) -> int | None:
         return None
 
 
+async def http_post_json(url: str, body: Mapping[str, Any], timeout_s: float,
+                         session: aiohttp.ClientSession | None = None) -> int | None:
+    """One POST of a JSON body to a box-local ``url`` (a timer delivery, §9.4): its status, or None when nothing
+    answered within ``timeout_s`` (the simulation's twin inside :func:`simulation`). ``session``: reuse its pool."""
+    net = _NET.get()
+    if net is not None:
+        return await net.post_json(url, body, timeout_s)
+    import aiohttp  # only the production path needs it
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        if session is not None:
+            async with session.post(url, json=dict(body), timeout=timeout) as resp:
+                await resp.read()
+                return resp.status
+        async with aiohttp.ClientSession(timeout=timeout) as own, own.post(url, json=dict(body)) as resp:
+            await resp.read()
+            return resp.status
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return None
+
+
+def simulated() -> bool:
+    """Inside :func:`simulation`: the box-local network is the simulation's twin (no sockets)."""
+    return _NET.get() is not None
+
+
 class Clock(Protocol):
     def now_ms(self) -> int:
         """Milliseconds since the epoch."""
@@ -112,6 +142,8 @@ class LocalNet(Protocol):
     def free_port(self) -> int: ...
 
     async def get_status(self, url: str, timeout_s: float) -> int | None: ...
+
+    async def post_json(self, url: str, body: Mapping[str, Any], timeout_s: float) -> int | None: ...
 
 
 class WallClock:

@@ -27,7 +27,8 @@ from hostmove import rules
 __all__ = ["main"]
 
 COMMANDS = ("gate", "sweep", "witness", "moves", "rules")
-MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "reboots", "disks_lost")
+MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "reboots", "disks_lost", "timer_deliveries",
+                 "timer_repeats")
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:

@@ -19,8 +19,11 @@ production actors of a move instead of the box stand-in:
 Invariants beyond :class:`sim.invariants.Checker`'s (spec §4; model digest §1): INV-2 (every acknowledged write
 is in the serving database, or its writer session is declared lost by a later admission), INV-5 (no public
 delivery to a move's target before the commit), INV-9 (no commit after ``cut_deadline``), INV-10 (no version
-left under a closed move's staging lanes once its parks acknowledged) and the protocol audit
-(:class:`services.ledger.protocol.ProtocolCheck`) over the simulated stream.
+left under a closed move's staging lanes once its parks acknowledged, nothing current in a location a host at rest
+has left), the protocol audit (:class:`services.ledger.protocol.ProtocolCheck`) over the simulated stream, and the
+timers (§9.4): every instance declares a schedule in its files (``timers.json``), the agents' timer runners deliver
+it through the box-local network port, a due time never runs twice unless the agent that ran it died in between
+(INV-1 for timers), and after quiescence every serving host's schedule runs on its box within a period (INV-3).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -85,6 +88,8 @@ AGENT_TIMING = AgentTiming(scan_s=60.0, retry_s=5.0, move=Timings(
     probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0)
 FAILPOINT_P = 0.01
 DISK_LOST_P = 0.5
+TICK_EVERY_S = 600.0
+"""The schedule every simulated instance declares in ``timers.json`` (moveprobe's declared schedule, §14.4)."""
 RESIDUE_BOUND_S = 3600.0
 """Residue in a left location is retired within the sweep's cadence, a scan and the horizon ``H`` (about 1,400 s in
 the production timing); an hour of the calm phase is the bound INV-10 allows it."""
@@ -168,6 +173,7 @@ class MoveBox(ActorBase):
                 self.emit(f"stopped {host} found running: a new agent is a new session")
 
         await self.retrying("adopt", adopt)
+        self.spawn(self.timers(), "timers")
         await self.retrying("consumer", lambda: self.events.add_consumer(
             LEDGER_STREAM, self.durable, filter_subject=LEDGER_EVENTS, ack_wait_s=self.world.timing.ack_wait_s,
             max_deliver=self.world.timing.max_deliver))
@@ -198,6 +204,15 @@ class MoveBox(ActorBase):
                     dirty.add(parse_ledger_subject(d.msg.subject)[1])
                 with contextlib.suppress(*EXPECTED):
                     await d.ack()
+
+    async def timers(self) -> None:
+        """``BoxAgent.run``'s timer loop: deliver what is due every tick (§9.4)."""
+        while True:
+            try:
+                await self.agent.run_timers()
+            except EXPECTED as exc:
+                self.emit(f"timer run failed: {type(exc).__name__}")
+            await asyncio.sleep(AGENT_TIMING.timer_tick_s)
 
     async def retrying(self, what: str, step: Callable[[], Any]) -> None:
         await retry_expected(self.emit, what, step)
@@ -341,6 +356,11 @@ class MoveWorld(World):
         self.s3.policy = M17Policy(DEPLOY, {r: region_bucket(r) for r in REGIONS})
         self.unprovisioned: set[str] = set()  # boxes whose disk was lost, not provisioned again yet
         self.reboots = 0
+        self.net.on_timer = self._timer_delivered
+        self.timer_runs: dict[tuple[str, str, int], list[tuple[str, float]]] = {}  # due -> (box, at) deliveries
+        self.timer_last: dict[str, tuple[float, str]] = {}  # host -> (at, box) of its latest delivery
+        self.timer_repeats = 0
+        self.agent_deaths: dict[str, list[float]] = {}
         self.residue_seen: dict[tuple[str, str], float] = {}
         self.disks_lost = 0
         self.provisioning: set[str] = set()
@@ -391,6 +411,8 @@ class MoveWorld(World):
         if not files.exists():  # moveprobe's first boot writes its key beside the database (spec §14.4)
             files.mkdir(parents=True, exist_ok=True)
             (files / "instance.key").write_bytes(self.plan.token(f"key.{inst.host}", 16))
+        if not (files / "timers.json").exists():  # and declares its schedule (the agent converges it, §9.4)
+            (files / "timers.json").write_text(f'{{"schedules": [{{"name": "tick", "every_s": {TICK_EVERY_S}}}]}}')
 
     def _instance_stopped(self, inst: SimInstance, why: str) -> None:
         proc = self.instances.pop(inst.pid, None)
@@ -402,6 +424,7 @@ class MoveWorld(World):
         is the box's reboot: every process of the box dies and a new boot begins (the cgroups are gone; the spawn
         journal says what ran in the boot before, §5.3 joint D3). Half of the reboots lose the disk too: every
         local file of the box (issue 5 item 3), and the box is provisioned again before its agent starts."""
+        self.agent_deaths.setdefault(label, []).append(self.loop.time())
         if self.plan.fault("chaos.reboot", 0.25):
             self.reboot(label, lose_disk=self.plan.fault("chaos.disk_lost", DISK_LOST_P))
 
@@ -555,11 +578,44 @@ class MoveWorld(World):
         await asyncio.sleep(2 * AGENT_TIMING.sync_interval_s)
         await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s)  # the stronger form
         self._inv2()  # first: the first violation ends the run
+        if not self.checker.violations:
+            await self._timers_run()
 
     def _protocol(self) -> None:
         for f in self.protocol.findings:  # now the held checks too
             if f.severity == "error":
                 self.checker.flag("protocol", f"{f.host}: {f.what}")
+
+    def _timer_delivered(self, inst: SimInstance, body: Mapping[str, Any]) -> None:
+        """A timer's due time runs once (§9.4): a second delivery of one due, on any box, is allowed only after the
+        agent of the box that delivered it died (delivery is at least once: the runner may die between the app's
+        answer and its own bookkeeping); otherwise two runners delivered it, which is INV-1 for timers."""
+        now = self.loop.time()
+        key = (inst.host, str(body.get("name", "")), int(body.get("due_at_ms", 0)))
+        earlier = self.timer_runs.setdefault(key, [])
+        for box, at in earlier:
+            if not any(died >= at for died in self.agent_deaths.get(box, [])):
+                self.checker.flag("INV-1", f"the timer {key[1]} of {inst.host} due at {key[2]} ran on {inst.box} "
+                                           f"after {box} ran it at {at:.0f} s, and {box}'s agent never died between")
+        self.timer_repeats += bool(earlier)
+        earlier.append((inst.box, now))
+        self.timer_last[inst.host] = (now, inst.box)
+        self.trace.emit(inst.box, f"timer {key[1]} of {inst.host} due {key[2]} delivered to pid {inst.pid}")
+
+    async def _timers_run(self) -> None:
+        """Liveness of the timers: within one period and two runner ticks, every serving host's schedule runs on
+        the box that serves it (its timers moved with it, §9.4)."""
+        since = self.loop.time()
+        await asyncio.sleep(TICK_EVERY_S + 2 * AGENT_TIMING.timer_tick_s)
+        for plan in self.workload.hosts:
+            claim = self.checker.claims.get(plan.host)
+            if claim is None or claim.holder is None or claim.op.kind != "serving":
+                continue
+            at, box = self.timer_last.get(plan.host, (-1.0, ""))
+            if at < since or box != claim.op.exec:
+                self.checker.flag("INV-3", f"the timer of {plan.host} did not run on {claim.op.exec} within "
+                                           f"{TICK_EVERY_S + 2 * AGENT_TIMING.timer_tick_s:.0f} s of quiescence "
+                                           f"(last: {'never' if at < 0 else f'{box} at {at:.0f} s'})")
 
     def _residue(self) -> list[str]:
         """INV-10 for what lands late (§6.4 the straggler sweep): a host at rest has nothing current in its
@@ -679,7 +735,8 @@ class MoveWorld(World):
         ended = [r.last_move.outcome for r in self.records.values() if r.last_move is not None]
         return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
-                "reboots": self.reboots, "disks_lost": self.disks_lost}
+                "reboots": self.reboots, "disks_lost": self.disks_lost,
+                "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats}
 
     def cleanup(self) -> None:
         if self.workdir is not None:

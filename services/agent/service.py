@@ -36,6 +36,7 @@ import aiohttp
 from bus.log import EventLog
 from bus.subjects import LEDGER_PREFIX, SubjectError, parse_ledger_subject
 from events.claim import Claim
+from hostmove import ports
 from hostmove.fsutil import atomic_write
 from hostmove.ports import Clock, Random
 from services.agent.config import (
@@ -245,7 +246,7 @@ class BoxAgent:
     async def run_timers(self) -> None:
         """Deliver the due timers of the instances running here (held rows are skipped untouched, §9.4)."""
         if self._timer_runner is None:
-            self._http = aiohttp.ClientSession()
+            self._http = None if ports.simulated() else aiohttp.ClientSession()
             self._timer_runner = TimerRunner(self.timers, self.clock, self._http, self._instance_url,
                                              path=TIMER_PATH, timeout_s=5.0, faults=self._faults)
         await self._timer_runner.run_due()

@@ -40,7 +40,7 @@ import msgspec
 import sqlite_utils
 
 from events.base import validate_ident
-from hostmove.ports import Clock
+from hostmove.ports import Clock, http_post_json
 from services.box.registry import HOLD_STATUSES, REGISTRY_FILE, ensure_routes, open_db, transaction
 
 log = logging.getLogger("hostmove.box.timers")
@@ -331,7 +331,7 @@ class TimerRunner:
         self,
         timers: Timers,
         clock: Clock,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         instance_url: InstanceUrl,
         *,
         path: str = "/_hostmove/timer",
@@ -344,7 +344,7 @@ class TimerRunner:
         self.session = session
         self.instance_url = instance_url
         self.path = path
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
         self.identity = runner_identity()
         self.faults = faults
 
@@ -412,16 +412,14 @@ class TimerRunner:
         body = {"host": host, "name": row.name, "payload": row.payload, "due_at": row.next_at,
                 "due_at_ms": row.next_at, "delivery": f"{row.registration}:{row.next_at}"}
         path = self.path.replace("{name}", quote(row.name, safe=""))
-        try:
-            async with self.session.post(base.rstrip("/") + path, json=body, timeout=self.timeout) as resp:
-                await resp.read()
-                ok = 200 <= resp.status < 300
-                if not ok:
-                    log.info("timer delivery refused", extra={"host": host, "timer": row.name, "status": resp.status})
-                return ok
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            log.info("timer delivery failed", extra={"host": host, "timer": row.name, "error": type(exc).__name__})
+        status = await http_post_json(base.rstrip("/") + path, body, self.timeout_s, self.session)
+        if status is None:
+            log.info("timer delivery failed", extra={"host": host, "timer": row.name, "error": "no answer"})
             return False
+        if not 200 <= status < 300:
+            log.info("timer delivery refused", extra={"host": host, "timer": row.name, "status": status})
+            return False
+        return True
 
     def _finish(self, host: str, row: TimerRow, now: int, delivered: bool) -> None:
         with transaction(self.conn):

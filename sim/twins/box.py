@@ -8,8 +8,8 @@ and the box-local network, as twins.
 - :class:`SimInstance` behaves like ``moveprobe``: it opens the real SQLite file at the instance's database
   path (WAL), commits each write in the ``rows`` table moveprobe uses, and acknowledges only after the commit;
   it answers readiness while it runs. A killed instance commits nothing more.
-- :class:`SimNet` is the :class:`~hostmove.ports.LocalNet` port: ports are handed out in order and a GET reaches
-  the instance listening on the port, without sockets.
+- :class:`SimNet` is the :class:`~hostmove.ports.LocalNet` port: ports are handed out in order and a GET (or a
+  timer delivery's POST) reaches the instance listening on the port, without sockets.
 """
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ class SimInstance:
 
     # -- the app ------------------------------------------------------------------------------------
 
+    def timer(self, delivery: str) -> None:
+        """A timer delivery, committed before the answer, as ``moveprobe`` records a run."""
+        assert self.conn is not None and self.alive
+        self.conn.execute("INSERT INTO rows (ts_ms, session, kind, value) VALUES (0, ?, 'timer', ?)",
+                          (self.app_session, delivery))
+
     def write(self, value: str, now_ms: int) -> int:
         """Commit one row, then answer its seq (the acknowledgement follows the commit)."""
         assert self.conn is not None and self.alive
@@ -112,6 +118,7 @@ class SimNet:
     def __init__(self) -> None:
         self._next = 20000
         self.listening: dict[int, SimInstance] = {}
+        self.on_timer: Callable[[SimInstance, Mapping[str, Any]], None] | None = None
 
     def free_port(self) -> int:
         self._next += 1
@@ -121,6 +128,17 @@ class SimNet:
         port = urlsplit(url).port
         inst = self.listening.get(port or 0)
         return 200 if inst is not None and inst.alive else None
+
+    async def post_json(self, url: str, body: Mapping[str, Any], timeout_s: float) -> int | None:
+        """A timer delivery (``POST /timers/<name>``, §9.4): the live instance on the port takes it."""
+        parts = urlsplit(url)
+        inst = self.listening.get(parts.port or 0)
+        if inst is None or not inst.alive or not parts.path.startswith("/timers/"):
+            return None
+        inst.timer(str(body.get("delivery", "")))
+        if self.on_timer is not None:
+            self.on_timer(inst, body)
+        return 200
 
 
 @dataclass
