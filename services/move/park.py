@@ -36,6 +36,7 @@ from events.base import canonical
 from events.claim import Scope
 from hostmove import rules
 from hostmove.ports import Clock
+from hostmove.timetext import utc_text
 from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
 
 log = logging.getLogger("hostmove.park")
@@ -263,7 +264,7 @@ class Parker:
                     return Acknowledged(tuple(events), listed_at)
                 return Waiting(tuple(events), deadline + 1,
                                f"waiting for the late-completion horizon: the scope is empty, but a request signed "
-                               f"before the evidence could still land until {deadline} ms")
+                               f"before the evidence could still land until {utc_text(deadline)}")
             await self._run_event(plan)
             events.append(event)
             n += 1
