@@ -101,15 +101,13 @@ async def http_post_json(url: str, body: Mapping[str, Any], timeout_s: float,
         return await net.post_json(url, body, timeout_s)
     import aiohttp  # only the production path needs it
 
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        if session is not None:
-            async with session.post(url, json=dict(body), timeout=timeout) as resp:
+        async with contextlib.AsyncExitStack() as stack:
+            if session is None:
+                session = await stack.enter_async_context(aiohttp.ClientSession())
+            async with session.post(url, json=dict(body), timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
                 return resp.status
-        async with aiohttp.ClientSession(timeout=timeout) as own, own.post(url, json=dict(body)) as resp:
-            await resp.read()
-            return resp.status
     except (TimeoutError, aiohttp.ClientError, OSError):
         return None
 

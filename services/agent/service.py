@@ -317,10 +317,10 @@ class BoxAgent:
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants):
                 hosts.add(host)
             elif claim is not None:
-                await self._sweep(host)
+                await self._sweep(host, claim)
         return hosts
 
-    async def _sweep(self, host: str) -> None:
+    async def _sweep(self, host: str, claim: Claim) -> None:
         """One look of the straggler sweep at ``host`` when due (:mod:`services.sweeper.straggler`); a failure is
         logged and looked at again after ``retry_s`` (a read error never acts)."""
         now = self.clock.monotonic()
@@ -328,7 +328,7 @@ class BoxAgent:
             return
         next_at = now + self.timing.sweep_s
         try:
-            report = await self.sweeper.look(host)
+            report = await self.sweeper.look(host, claim)
         except Exception as exc:  # noqa: BLE001 - logged, retried: every step of the sweep is idempotent
             log.warning("straggler sweep of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
                         str(exc).splitlines()[0][:200] if str(exc) else "")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from services.move.finalize import StepReport
 
 
 class Stepped(Protocol):
@@ -12,6 +16,17 @@ class Stepped(Protocol):
 
 
 R = TypeVar("R", bound=Stepped)
+
+
+@dataclass(frozen=True)
+class RunnerResult:
+    """One step of a rollback runner (the target's release, the source's recovery): ``progressed`` (step again
+    now), or why not (``reason``); ``report`` when the finalizer answered; ``stuck`` when only an operator can go on."""
+
+    progressed: bool
+    reason: str = ""
+    report: StepReport | None = None
+    stuck: bool = False
 
 
 async def until_still(step: Callable[[], Awaitable[R]], first: R, max_steps: int) -> R:

@@ -132,10 +132,11 @@ class StragglerSweep:
     parker: Parker
     clock: Clock
 
-    async def look(self, host: str) -> SweepReport:
+    async def look(self, host: str, claim: Claim | None) -> SweepReport:
+        """``claim``: the caller's fresh read (the agent's scan just read it); every write re-checks the claim it
+        reads in its CAS (K5)."""
         if not rules.on("straggler-sweep"):
             return SweepReport()
-        claim = (await self.ledger.read_claim(host)).state
         ob = pending_sweep(claim, self.box, self.region)
         if ob is None:
             if sweep_refused(claim, self.region) is not None:

@@ -25,21 +25,11 @@ from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.ledger.ledger import Committed, NoChange, Refusal
 from services.move import rollback
-from services.move.finalize import Finalizer, LocalRetire, StepReport
-from services.move.stepping import until_still
+from services.move.finalize import Finalizer, LocalRetire
+from services.move.stepping import RunnerResult, until_still
 from services.target.worker import LandingWorker
 
 log = logging.getLogger("hostmove.target.release")
-
-
-@dataclass(frozen=True)
-class ReleaseResult:
-    """One step: ``progressed`` (step again now), or why not (``reason``); ``report`` when the finalizer answered."""
-
-    progressed: bool
-    reason: str = ""
-    report: StepReport | None = None
-    stuck: bool = False
 
 
 @dataclass
@@ -50,20 +40,20 @@ class TargetRelease:
     final: Finalizer
     local: LocalRetire
 
-    async def run(self, host: str, move_id: str, *, max_steps: int = 8) -> ReleaseResult:
-        return await until_still(lambda: self.step(host, move_id), ReleaseResult(False, "no step taken"), max_steps)
+    async def run(self, host: str, move_id: str, *, max_steps: int = 8) -> RunnerResult:
+        return await until_still(lambda: self.step(host, move_id), RunnerResult(False, "no step taken"), max_steps)
 
-    async def step(self, host: str, move_id: str) -> ReleaseResult:
+    async def step(self, host: str, move_id: str) -> RunnerResult:
         box = self.worker.box
         ledger = box.ledger
         record = (await ledger.read_record(host)).state
         claim = (await ledger.read_claim(host)).state
         if record is not None and record.last_move is not None and record.last_move.id == move_id:
             report = await self.final.close(host, move_id)
-            return ReleaseResult(False, "" if report.done else report.reason, report)
+            return RunnerResult(False, "" if report.done else report.reason, report)
         got = rollback.live_rollback(record, move_id)
         if isinstance(got, Refusal) or claim is None:
-            return ReleaseResult(False, got.reason if isinstance(got, Refusal) else "the host has no claim")
+            return RunnerResult(False, got.reason if isinstance(got, Refusal) else "the host has no claim")
         move, rb = got
         phase = rb.target_phase
         if phase == "":
@@ -80,29 +70,29 @@ class TargetRelease:
                 rollback.decide_target_released(c, move_id, box.label, rb.evidence, region=box.region,
                                                 evidence_at=now)))
             if isinstance(out, Refusal):
-                return ReleaseResult(False, out.reason)
+                return RunnerResult(False, out.reason)
             if rb.recovered_at is None:
-                return ReleaseResult(False, "waiting for the source to recover")
+                return RunnerResult(False, "waiting for the source to recover")
             return self._outcome(await ledger.transition("record", host, "rollback-target-cleaning",
                                                          lambda r: rollback.decide_target_phase(
                                                              r, move_id, "released", "cleaning")))
         if phase == "cleaning":
             report = await self.final.target_release_park(host, move_id, self.local)
-            return ReleaseResult(False, "" if report.done else report.reason, report)
+            return RunnerResult(False, "" if report.done else report.reason, report)
         report = await self.final.close(host, move_id)  # cleaned: the close waits for the source's part
-        return ReleaseResult(False, "" if report.done else report.reason, report)
+        return RunnerResult(False, "" if report.done else report.reason, report)
 
-    async def _release(self, host: str, move_id: str, claim: Claim) -> ReleaseResult:
+    async def _release(self, host: str, move_id: str, claim: Claim) -> RunnerResult:
         """``releasing``'s effects: hold the row, stop the probe, the stop evidence; then ``released`` with the
         verdict (§7.8)."""
         box = self.worker.box
         record = (await box.ledger.read_record(host)).state
         got = rollback.live_rollback(record, move_id)
         if isinstance(got, Refusal):
-            return ReleaseResult(False, got.reason)
+            return RunnerResult(False, got.reason)
         move, rb = got
         if box.registry.get(host) is not None and not box.registry.hold(host, "releasing", rb.id, replaces=move_id):
-            return ReleaseResult(False, f"the route of {host} is held by another operation; the release waits")
+            return RunnerResult(False, f"the route of {host} is held by another operation; the release waits")
         app = self.worker.running.pop(host, None)
         if app is not None:
             await app.stop()
@@ -125,14 +115,14 @@ class TargetRelease:
             return box.timers.digest(host)
 
         if box.tree is None:
-            return ReleaseResult(False, "this box has no process tree; it cannot prove its probe stopped")
+            return RunnerResult(False, "this box has no process tree; it cannot prove its probe stopped")
         hooks = StopHooks(lease_file_check(box.data_dir / f"{host}.lease.json", box.clock, 1_000), final, files,
                           timers)
         subject = EvidenceFor(host, move_id, "target", box.label, move.incarnation, claim.gen)
         ev = await reconstruct_stop_evidence(tree=box.tree, store=box.ledger.store, bucket=box.ledger.bucket,
                                              clock=box.clock, subject=subject, db_path=db, hooks=hooks)
         if isinstance(ev, EvidenceRefused):
-            return ReleaseResult(False, ev.message)
+            return RunnerResult(False, ev.message)
         seal = claim.op.journal.get("seal")
         covered = bool(seal.get("src_covered")) if isinstance(seal, dict) else False
         dirty, why = rollback.release_verdict(move, src_covered=covered, db_sha256=ev.evidence.db_sha256,
@@ -145,7 +135,7 @@ class TargetRelease:
             return await self._stuck(host, move_id, why)
         return self._outcome(out)
 
-    async def _stuck(self, host: str, move_id: str, why: str) -> ReleaseResult:
+    async def _stuck(self, host: str, move_id: str, why: str) -> RunnerResult:
         """A dirty release needs the return lane (§7.8 ``returning``), which is not built: ``stuck`` with the reason,
         for an operator (§7.10). Nothing is lost by waiting: the target's database and the seal stay as they are."""
         box = self.worker.box
@@ -153,15 +143,15 @@ class TargetRelease:
                   "source (§7.8 returning) is not built, so an operator decides")
         await box.ledger.transition("record", host, "rollback-stuck",
                                     lambda r: rollback.decide_stuck(r, move_id, reason, box.clock.now_ms()))
-        return ReleaseResult(False, reason, stuck=True)
+        return RunnerResult(False, reason, stuck=True)
 
     @staticmethod
-    def _outcome(out: object) -> ReleaseResult:
+    def _outcome(out: object) -> RunnerResult:
         if isinstance(out, Committed | NoChange):
-            return ReleaseResult(True)
+            return RunnerResult(True)
         if isinstance(out, Refusal):
-            return ReleaseResult(False, out.reason)
-        return ReleaseResult(False, "another writer kept changing the object; the next wake retries")
+            return RunnerResult(False, out.reason)
+        return RunnerResult(False, "another writer kept changing the object; the next wake retries")
 
 
-__all__ = ["ReleaseResult", "TargetRelease"]
+__all__ = ["RunnerResult", "TargetRelease"]
