@@ -19,6 +19,8 @@ FACTS_STREAM = "HM_FACTS"
 LEDGER_PREFIX = "hm.ledger"
 FACT_PREFIX = "hm.fact"
 ALERT_PREFIX = "hm.alert"
+BOX_PREFIX = "hm.box"
+"""Core NATS (no stream): ``hm.box.<label>.wake``, the router's request that a box wake a sleeping host."""
 LEDGER_SUBJECTS = [f"{LEDGER_PREFIX}.>"]
 FACTS_SUBJECTS = [f"{FACT_PREFIX}.>", f"{ALERT_PREFIX}.>"]
 
@@ -87,3 +89,8 @@ def ledger_msg_id(obj: str, host: str, gen: int) -> str:
     """The ``Nats-Msg-Id`` of an object's gen: unique across the stream, bounded in length."""
     digest = hashlib.sha256(host.encode("utf-8")).hexdigest()[:32]
     return f"{obj}:{digest}:{gen}"
+
+
+def box_wake_subject(label: str) -> str:
+    """The subject a box's agent answers wake requests on (core NATS request/reply; the body is the host name)."""
+    return f"{BOX_PREFIX}.{encode_token(label)}.wake"

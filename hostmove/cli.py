@@ -85,6 +85,8 @@ async def _probe(args: argparse.Namespace) -> int:
 
 
 async def _box(args: argparse.Namespace) -> int:
+    if args.box_action == "wake":
+        return await _box_wake(args)
     from services.box.roster import RosterRefusal, init_box
 
     settings = load_settings(Path(args.root))
@@ -102,6 +104,46 @@ async def _box(args: argparse.Namespace) -> int:
         await rt.close()
     print(f"box {init.label} in region {init.region}: {init.box_dir} (secrets key {init.secrets_key_fp}, "
           f"roster gen {init.roster_gen})")
+    return 0
+
+
+async def _box_wake(args: argparse.Namespace) -> int:
+    """``hostmove box wake HOST --label L``: what the box's router does for a request to a sleeping host (ask the
+    box's agent, then wait for the instance in the box's edge table); for an operator, the same by hand."""
+    import time
+
+    from bus.subjects import box_wake_subject
+    from services.agent.config import BoxConfigError, load_box
+    from services.agent.service import read_endpoint
+
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    try:
+        try:
+            reply = await rt.events.nc.request(box_wake_subject(args.label), args.host.encode(), timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the operator's words: which box did not answer, and why
+            print(f"{args.host} was not woken: box {args.label}'s agent did not answer ({type(exc).__name__}); "
+                  "is `hostmove serve box --label` running?", file=sys.stderr)
+            return 1
+    finally:
+        await rt.close()
+    body = json.loads(reply.data)
+    if "error" in body:
+        print(f"{args.host} was not woken: {body['error']}", file=sys.stderr)
+        return 1
+    try:
+        box_dir = load_box(settings.root, args.label).box_dir
+    except BoxConfigError:
+        print(f"box {args.label} asked to wake {args.host} (its edge table is not on this machine to watch)")
+        return 0
+    deadline = time.monotonic() + args.wait
+    while (port := read_endpoint(box_dir, args.host)) is None:
+        if time.monotonic() > deadline:
+            print(f"{args.host} is not served on box {args.label} after {args.wait:g} s: the box serves only a host "
+                  "whose claim names it; see its agent's log for why not", file=sys.stderr)
+            return 1
+        await asyncio.sleep(0.1)
+    print(f"{args.host} is served on box {args.label} at 127.0.0.1:{port}")
     return 0
 
 
@@ -168,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--label", required=True)
     bi.add_argument("--region", required=True)
     bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: generated once")
+    bw = bx_sub.add_parser("wake", help="wake a sleeping host on its box (what the box's router does on a request)")
+    bw.add_argument("host")
+    bw.add_argument("--label", required=True, help="the box that serves the host")
+    bw.add_argument("--wait", type=float, default=60.0, help="seconds to wait for it to serve (default 60)")
     from hostmove import move_cli
 
     move_cli.add_parser(sub)

@@ -9,7 +9,8 @@ Every service starts by running the object-store conformance probe (exit 3 on a 
   ``last_move``, deadline alerts), on a timer.
 - ``box``: one box's agent (``--label L``): its instances and both sides of its moves, woken by ledger events
   and a scan (:mod:`services.agent.service`). Refuses to run where it cannot spawn strictly (§5.3).
-  ``HOSTMOVE_PROFILE`` picks the timing profile (``fast`` for the embedded default, ``production``).
+  ``HOSTMOVE_PROFILE`` picks the timing profile (``fast`` for the embedded default, ``production``);
+  ``HOSTMOVE_IDLE_S`` overrides how long a serving instance may be idle before it sleeps (``never``: it does not).
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 """
@@ -97,7 +98,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from hostmove.failpoints import Failpoints
     from hostmove.probe_apps import ProbeApps
     from services.agent.config import BoxConfigError, load_box, moveprobe_spec
-    from services.agent.service import PROFILES, BoxAgent
+    from services.agent.service import PROFILES, BoxAgent, idle_override
     from services.box.agentcg import box_session
     from services.box.proctree import CgroupTree
     from services.ledger.ledger import Ledger
@@ -112,6 +113,11 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         print(f"hostmove serve box: HOSTMOVE_PROFILE must be one of {', '.join(PROFILES)}, not {profile!r}",
               flush=True)
         return 2
+    try:
+        timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
+    except ValueError as exc:
+        print(f"hostmove serve box: {exc}", flush=True)
+        return 2
     tree = CgroupTree.discover(label, clock=rt.clock, journal=cfg.box_dir / "spawns")
     ok, why = tree.strict_available()
     if not ok:
@@ -125,15 +131,17 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     with box_session(tree) as home:
         apps = ProbeApps(home, cfg.acks_dir, region=cfg.region, tree=tree)
         agent = BoxAgent(cfg, store=rt.store, bucket=rt.settings.bucket, events=rt.events, ledger=ledger,
-                         clock=rt.clock, rng=rt.rng, tree=tree, probe_factory=apps.factory, timing=PROFILES[profile],
+                         clock=rt.clock, rng=rt.rng, tree=tree, probe_factory=apps.factory, timing=timing,
                          faults=faults, app=moveprobe_spec(cfg.acks_dir, tunables=os.environ))
-        sub = await agent.wake_on(rt.events.nc)
-        print(f"box {label} ({cfg.region}): agent running, profile {profile}", flush=True)
+        subs = await agent.wake_on(rt.events.nc)
+        sleeps = "never" if timing.idle_s is None else f"after {timing.idle_s:g} s idle"
+        print(f"box {label} ({cfg.region}): agent running, profile {profile}, hosts sleep {sleeps}", flush=True)
         try:
             await agent.run(stop)
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             await agent.close()
             await apps.stop_all()
     return 0

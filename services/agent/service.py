@@ -15,6 +15,10 @@ moves landing on it. It keeps nothing that matters in memory:
   woken through the activator (a cold admission, §5.1 step 9); the route row is minted ``ready`` for it
   (§5.2: reconcile mints ``ready`` only while the claim is serving). A new agent process is a new session: it
   stops any app it finds running first (:meth:`Activator.adopt_running`).
+- **Sleep** (:mod:`services.box.sleep`). With ``idle_s`` set, a serving instance idle that long is stopped
+  (the ordinary stop: drained, final sync, certificate) and marked asleep; a sleeping host is woken only on
+  demand: a router's request on ``hm.box.<label>.wake`` (:meth:`BoxAgent.demand`), a due timer, or a move
+  (S1 probes the source as it runs, §7.3).
 
 Passes run one host at a time: a long landing delays other hosts' passes on this box (stated limit).
 """
@@ -26,7 +30,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -34,7 +38,7 @@ from urllib.parse import quote, unquote
 import aiohttp
 
 from bus.log import EventLog
-from bus.subjects import LEDGER_PREFIX, SubjectError, parse_ledger_subject
+from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from hostmove import ports
 from hostmove.fsutil import atomic_write
@@ -51,8 +55,10 @@ from services.agent.config import (
 from services.box.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
 from services.box.proctree import ProcessTree
 from services.box.registry import Registry, RouteRow
+from services.box.sleep import Activity, SleepMarks, idle_left
 from services.box.stamps import StampBook
-from services.box.timers import TimerError, TimerRunner, Timers
+from services.box.timers import TimerError, TimerRunner, Timers, TimersBusy
+from services.box.timers import drain as drain_timers
 from services.door.api import Door
 from services.ledger.ledger import Ledger
 from services.move import park as parking
@@ -95,12 +101,33 @@ class AgentTiming:
     max_steps: int = 40
     sweep_s: float = 10.0
     """How often the box looks for stragglers in a host's left location in its region (§6.4, at rest)."""
+    idle_s: float | None = None
+    """A serving instance idle this long is stopped and sleeps until a demand wakes it; None: hosts never sleep
+    (the ``fast`` profile: the tests and the demo watch instances that must keep running)."""
+    drain_s: float = 10.0
+    """How long an idle stop waits for an in-flight timer delivery (§9.4 "Drained") before it tries again later."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
-    timer_tick_s=1.0, sweep_s=600.0)
+    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0)
 FAST_AGENT = AgentTiming()
+
+
+def idle_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_IDLE_S``: seconds a serving instance may be idle before it sleeps, or ``never``; unset keeps the
+    profile's. Anything else is refused with the reason (nothing starts)."""
+    if text is None or not text.strip():
+        return timing
+    if text.strip() == "never":
+        return replace(timing, idle_s=None)
+    try:
+        idle_s = float(text)
+    except ValueError:
+        idle_s = -1.0
+    if not 0 < idle_s < float("inf"):
+        raise ValueError(f"HOSTMOVE_IDLE_S must be a positive number of seconds or 'never', not {text!r}")
+    return replace(timing, idle_s=idle_s)
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
 
 
@@ -157,6 +184,11 @@ class BoxAgent:
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock)
         self._sweep_next: dict[str, float] = {}
+        self.sleep = SleepMarks(cfg.box_dir)
+        self._activity: dict[str, Activity] = {}
+        self._stopping: set[str] = set()
+        self.idle_stops = 0
+        self.demand_wakes = 0
         self._dirty: set[str] = set()
         self._due: dict[str, float] = {}
         self._wake = asyncio.Event()
@@ -202,10 +234,15 @@ class BoxAgent:
 
     # -- one host ------------------------------------------------------------------------------------------
 
-    async def _serve(self, host: str, claim: Claim) -> str:
-        """The runtime's part: wake a serving host of this box that does not run here."""
+    async def _serve(self, host: str, claim: Claim, *, eager: bool = False) -> str:
+        """The runtime's part: wake a serving host of this box that does not run here, unless it sleeps (then
+        only a demand wakes it); ``eager`` wakes a sleeping one too (a move's source, §7.3 S1)."""
         if self.running(host) or claim.holder is None:
             return ""
+        if self.sleep.asleep(host):
+            if not eager:
+                return ""
+            self.sleep.clear(host)
         held = self._held_off.get(host)
         if held is not None and self.clock.monotonic() < held.until:
             return ""  # an earlier wake failed: wait out its backoff, whatever the claim did meanwhile
@@ -214,6 +251,7 @@ class BoxAgent:
         started = await self.activator.wake(host)
         if isinstance(started, Started):
             self._held_off.pop(host, None)
+            self._activity[host] = Activity(self.clock.monotonic(), None)
             if claim.op.kind == "serving":  # never while the claim is moving (§9.4 "Frozen")
                 self.converge_timers(host)
             return f"woke {host} (session {started.session}, generation {started.generation})"
@@ -239,7 +277,60 @@ class BoxAgent:
         self.timers.replace_timers(host, specs)
         return True
 
+    def _position(self, host: str) -> int | None:
+        """The replica position of the instance running here (what its commits move)."""
+        running = self.activator.running.get(host)
+        rep = running.replicator if running is not None else getattr(self.landing.running.get(host), "replicator",
+                                                                       None)
+        position = getattr(rep, "position", None)
+        return position if isinstance(position, int) else None
+
+    async def _idle(self, host: str, claim: Claim) -> tuple[str, float | None]:
+        """The idle stop of a serving instance of this box (:mod:`services.box.sleep`): ``(what it did, seconds
+        until it looks again)``."""
+        idle_s = self.timing.idle_s
+        if idle_s is None:
+            return "", None
+        now = self.clock.monotonic()
+        seen = self._activity.setdefault(host, Activity(now, self._position(host)))
+        seen.observe(now, self._position(host))
+        left = idle_left(now, seen.at_s, idle_s)
+        if left > 0:
+            return "", left
+        session = claim.holder.session if claim.holder is not None else 0
+        self._stopping.add(host)  # no delivery begins from here on (:meth:`_instance_url`)
+        try:
+            try:  # one that began before is waited for (§9.4 "Drained"): a stop never cuts a delivery in two
+                await drain_timers(self.timers.conn, self.clock, host, timeout_s=self.timing.drain_s)
+            except TimersBusy as exc:
+                return f"idle, not stopped yet: {exc}", self.timing.retry_s
+            if host in self.activator.running:
+                await self.activator.stop(host)
+            else:
+                app = self.landing.running.pop(host, None)
+                if app is not None:
+                    await app.stop()
+            self.sleep.mark(host, session=session, at_ms=self.clock.now_ms())
+        finally:
+            self._stopping.discard(host)
+        self._activity.pop(host, None)
+        self.idle_stops += 1
+        return f"idle for {idle_s:g} s: stopped; asleep until a request or a timer wakes it", None
+
+    def demand(self, host: str) -> bool:
+        """A router's wake request (or a due timer's): a sleeping host is woken by the next pass, a running one
+        counts as active. Answers whether it runs here now."""
+        if self.sleep.clear(host):
+            self.demand_wakes += 1
+        running = self.running(host)
+        if running and host in self._activity:
+            self._activity[host].at_s = self.clock.monotonic()
+        self.notify(host)
+        return running
+
     def _instance_url(self, host: str) -> str | None:
+        if host in self._stopping:
+            return None
         endpoint = self._endpoint(host)
         return f"http://127.0.0.1:{endpoint[0]}" if endpoint is not None else None
 
@@ -249,7 +340,13 @@ class BoxAgent:
             self._http = None if ports.simulated() else aiohttp.ClientSession()
             self._timer_runner = TimerRunner(self.timers, self.clock, self._http, self._instance_url,
                                              path=TIMER_PATH, timeout_s=5.0, faults=self._faults)
-        await self._timer_runner.run_due()
+        report = await self._timer_runner.run_due()
+        for host, _name in report.delivered:  # a timer run is the host at work
+            if host in self._activity:
+                self._activity[host].at_s = self.clock.monotonic()
+        for host in sorted({h for h, _name in report.failed}):
+            if self.sleep.asleep(host) and not self.running(host):
+                self.demand(host)  # a due timer wakes a sleeping host; the next tick delivers it
 
     async def pass_host(self, host: str) -> PassResult:
         """Read the claim and the record and do this box's next steps for ``host`` until none progresses."""
@@ -264,15 +361,20 @@ class BoxAgent:
                     did = await self._serve(host, claim)
                     if did:
                         out.did.append(did)
-                    elif self.running(host) and self.converge_timers(host):
-                        out.did.append("timers converged")
+                    elif self.running(host):
+                        if self.converge_timers(host):
+                            out.did.append("timers converged")
+                        did, out.again_in_s = await self._idle(host, claim)
+                        if did:
+                            out.did.append(did)
                 return out
             if record is None:
                 return out
             move = record.move
             if (claim.op.kind == "moving" and claim.op.exec == self.label and move is not None
                     and move.cut_phase in SOURCE_SPAWNS_IN and not self.running(host)):
-                did = await self._serve(host, claim)  # §19.1: the source serves as usual until `stopping`
+                # §19.1: the source serves as usual until `stopping`; awake, since S1 probes it as it runs (§7.3)
+                did = await self._serve(host, claim, eager=True)
                 if did:
                     out.did.append(did)
             move_id = record.move.id if record.move is not None else (
@@ -343,8 +445,10 @@ class BoxAgent:
         self._dirty.add(host)
         self._wake.set()
 
-    async def wake_on(self, nc: Any) -> Any:
-        """Subscribe (core NATS) to the ledger's subjects: each event marks its host dirty."""
+    async def wake_on(self, nc: Any) -> list[Any]:
+        """Subscribe (core NATS) to the ledger's subjects, each event marking its host dirty, and to this box's
+        wake requests (``hm.box.<label>.wake``, the body a host name): answered ``{"host", "running"}`` at once;
+        the router then polls the box's edge table (:func:`read_endpoint`) for the woken instance."""
 
         async def cb(msg: Any) -> None:
             try:
@@ -353,7 +457,21 @@ class BoxAgent:
                 return
             self.notify(host)
 
-        return await nc.subscribe(f"{LEDGER_PREFIX}.>", cb=cb)
+        async def wake(msg: Any) -> None:
+            try:
+                host = msg.data.decode("utf-8")
+            except UnicodeDecodeError:
+                host = ""
+            body: dict[str, object]
+            if not host or "/" in host or len(host) > 253:
+                body = {"error": "a wake request names one host (its name as the message body)"}
+            else:
+                body = {"host": host, "running": self.demand(host)}
+            if msg.reply:
+                await msg.respond(json.dumps(body).encode())
+
+        return [await nc.subscribe(f"{LEDGER_PREFIX}.>", cb=cb),
+                await nc.subscribe(box_wake_subject(self.label), cb=wake)]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: scan, pass the dirty and the due hosts, sleep until the next wake."""
@@ -454,4 +572,4 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
 
 
 __all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
-           "read_endpoint"]
+           "idle_override", "read_endpoint"]

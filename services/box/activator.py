@@ -230,6 +230,24 @@ def unshipped_path(db_path: Path) -> Path:
     return db_path.with_suffix(".unshipped")
 
 
+async def final_sync(rep: Replicator) -> bool:
+    """A stop's final sync once its tree is gone (§5.3 step 5, §7.4 ``stopped``): ship, checkpoint ``TRUNCATE``,
+    ship again, close. ``<host>.unshipped`` (:func:`unshipped_path`) is written first and stays behind unless
+    every frame shipped, so the next stop or wake flushes what did not (:meth:`Activator.flush_orphan`). Answers
+    whether the stop is clean."""
+    unshipped = unshipped_path(rep.db_path)
+    atomic_write(unshipped, f"{rep.scope.generation}\n".encode())
+    try:
+        await rep.sync()
+        await rep.checkpoint("TRUNCATE")
+        clean = await rep.sync() is None and not rep.pending
+    finally:
+        await rep.close()
+    if clean:
+        unshipped.unlink(missing_ok=True)
+    return clean
+
+
 def purge_local_db(db_path: Path) -> None:
     """Remove the local database, its WAL, SHM, ``.gen`` and ``.unshipped`` (step 3: error-returning)."""
     for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen"),
@@ -340,6 +358,9 @@ class Activator:
             if reason is not None:
                 return StartRefused(host, reason)
             assert claim is not None and claim.holder is not None
+            # A stop whose final sync failed (an idle stop, a shutdown) left commits only on this disk: flush them
+            # into the holder's generation before the admission's purge (§5.3 step 5), or they would be declared lost.
+            await self.flush_orphan(host)
             baseline, remote_max = await self._baseline(claim)
             certified = await self._certified(claim, baseline, remote_max)
             generation = "w" + self.ctx.rng.token_bytes(8).hex()
@@ -571,18 +592,8 @@ class Activator:
             with contextlib.suppress(asyncio.CancelledError):
                 await running.task
         rep = running.replicator
-        unshipped = unshipped_path(self.ctx.db_path(host))
-        atomic_write(unshipped, f"{running.generation}\n".encode())
-        try:
-            await rep.sync()
-            await rep.checkpoint("TRUNCATE")
-            final = await rep.sync()
-            clean = final is None and not rep.pending
-        finally:
-            await rep.close()
-        if not clean:
+        if not await final_sync(rep):
             return None
-        unshipped.unlink(missing_ok=True)
         cert = Certificate(session=running.session, box=self.ctx.label, generation=running.generation,
                            max_txid=rep.position, closed_at=self.ctx.clock.now_ms())
         key = certificate_key(running.location, running.generation, running.session)
@@ -657,5 +668,5 @@ def remove_box_data(ctx: BoxContext) -> None:
 
 __all__ = [
     "Activator", "AppSpec", "BoxContext", "Certificate", "StartFailed", "StartPolicy", "StartRefused", "Started",
-    "certificate_key", "purge_local_db", "replication_position",
+    "certificate_key", "final_sync", "purge_local_db", "replication_position",
 ]

@@ -40,7 +40,7 @@ from events.record import Move, Record
 from hostmove import rules
 from hostmove.fsutil import atomic_write, fsync_dir
 from hostmove.ports import Clock, Random, blocking
-from services.box.activator import purge_local_db
+from services.box.activator import final_sync, purge_local_db
 from services.box.admission import AdmitRequest, decide_admit_writer
 from services.box.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
 from services.box.filesmanifest import Binding, FilesManifestError, publish_manifest
@@ -172,10 +172,9 @@ class ReplicatedApp:
         self.stop_event.set()
         await self.task
         try:
-            await self.replicator.sync()  # the final sync after the tree is gone
-        except Exception as exc:  # logged: the next admission declares what was not uploaded
+            await final_sync(self.replicator)  # after the tree is gone
+        except Exception as exc:  # logged: the marker it left makes the next stop or wake flush what did not ship
             log.warning("final sync of the probe's session failed: %s", exc)
-        await self.replicator.close()
 
 
 @dataclass
