@@ -11,7 +11,9 @@ production actors of a move instead of the box stand-in:
   (:class:`sim.twins.box.SimInstance`: real SQLite files under the run's box directories);
 - the **console** creates hosts, relays, runs the recovery pass (:class:`services.recovery.recovery.RecoveryPass`)
   and asks the door (:class:`services.door.api.Door`, in-process) for the seed's moves and manual cuts;
-- the **edge** sends each host's writes to the box its claim names (an instance acknowledges after its commit);
+- the **edge** sends each host's writes to the box its claim names (an instance acknowledges after its commit); a
+  write to a sleeping host asks its box to wake it and is held and tried again (the router's wake); hosts sleep
+  after ``IDLE_S`` idle (:mod:`services.box.sleep`), and a due timer or a move wakes them too;
 - the **chaos** actor crashes agents and the console (memory lost, disk kept); one agent crash in four is its box's
   reboot, and half of those lose the box's disk (it is provisioned again before its agent starts); named
   failpoints of the landing and the finalizers crash an agent mid-move.
@@ -53,6 +55,7 @@ from services.agent.service import BoxAgent as ProductionAgent
 from services.box.activator import AppSpec, StartPolicy
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.roster import init_box
+from services.box.sleep import SleepMarks
 from services.door.api import Door, Unreadable
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -80,12 +83,18 @@ from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRa
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
 LEDGER_EVENTS = "hm.ledger.>"
+IDLE_S = 420.0
+"""An instance idle this long sleeps (issue 5 item 4): shorter than the timers' period, so every host sleeps between
+its writes and between its timer runs, and each due time wakes it again (its run is a commit: activity)."""
+EDGE_RETRY_S = 30.0
+EDGE_RETRIES = 6
+"""A write to a sleeping host asks its box to wake it and is tried again (the router holds the request)."""
 SIM_APP = AppSpec(argv=["sim-instance"], env=lambda host, data_dir, port, region: {
     "SIM_DB": str(data_dir / f"{host}.db"), "SIM_PORT": str(port), "SIM_FILES": str(data_dir / host)},
     ready_within_s=20)
 AGENT_TIMING = AgentTiming(scan_s=60.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=30.0, within_s=3600.0, max_passes=400),
-    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0)
+    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0, idle_s=IDLE_S)
 FAILPOINT_P = 0.01
 DISK_LOST_P = 0.5
 TICK_EVERY_S = 600.0
@@ -119,7 +128,8 @@ class WritePlan:
 def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tuple[MovePlan, ...], tuple[WritePlan,
                                                                                                           ...]]:
     """Each host moves once to the other region (automatic or manual cut; the operator tries to abort one in five)
-    and takes writes throughout."""
+    and takes writes throughout, and up to two late ones in the calm phase, when it has likely fallen asleep (the
+    router's wake, issue 5 item 4)."""
     moves = []
     writes = []
     for h in workload.hosts:
@@ -131,6 +141,9 @@ def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tup
             moves.append(MovePlan(h.host, to, at, cut, at + plan.uniform("moves.cut_after", 30, 900), abort_at))
         for _ in range(plan.randint("moves.writes", 3, 12)):
             writes.append(WritePlan(h.host, plan.uniform("moves.write_at", h.at, timing.chaos_s + 600)))
+        for _ in range(plan.randint("moves.late_writes", 0, 2)):
+            writes.append(WritePlan(h.host, plan.uniform("moves.late_write_at", timing.chaos_s + 600,
+                                                         timing.chaos_s + 3600)))
     writes.sort(key=lambda w: (w.at, w.host))
     return tuple(moves), tuple(writes)
 
@@ -191,7 +204,7 @@ class MoveBox(ActorBase):
             due = {h for h, at in self.due.items() if at <= loop.time()}
             for h in due:
                 del self.due[h]
-            for host in sorted(dirty | due):
+            for host in sorted(dirty | due | self.agent.take_notified()):
                 await self.pass_host(host)
             dirty = set()
             until = min([next_scan, *self.due.values()])
@@ -234,6 +247,7 @@ class MoveBox(ActorBase):
             self.busy -= 1
         for line in result.did:
             self.emit(f"{host} {line}")
+        self.mworld.idle_stops += sum("asleep until" in line for line in result.did)
         spun = len(result.did) >= AGENT_TIMING.max_steps and result.again_in_s == 0.0
         self.spins[host] = self.spins.get(host, 0) + 1 if spun else 0
         if self.spins[host] >= LIVELOCK_PASSES:
@@ -249,10 +263,16 @@ class MoveBox(ActorBase):
         for running in list(self.agent.activator.running.values()):
             if running.task is not None:
                 running.task.cancel()
+            running.replicator.abandon()
+            self.mworld.abandoned.append(running.replicator)
         for app in list(self.agent.landing.running.values()):
             task = getattr(app, "task", None)
             if task is not None:
                 task.cancel()
+            replicator = getattr(app, "replicator", None)
+            if replicator is not None:
+                replicator.abandon()
+                self.mworld.abandoned.append(replicator)
         super().kill()
         for closable in (self.agent.registry, self.agent.stamps, self.agent.timers):
             with contextlib.suppress(Exception):
@@ -321,7 +341,15 @@ class MoveEdge(ActorBase):
             delay = w.at - self.world.loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self.mworld.write(w.host, f"w{n}")
+            if self.mworld.write(w.host, f"w{n}") == "asleep":
+                self.spawn(self.held(w.host, f"w{n}"), f"held w{n}")
+
+    async def held(self, host: str, value: str) -> None:
+        """The router holds a request to a sleeping host while its box wakes it, then delivers it."""
+        for _ in range(EDGE_RETRIES):
+            await asyncio.sleep(EDGE_RETRY_S)
+            if self.mworld.write(host, value, retry=True) != "asleep":
+                return
 
 
 @dataclass
@@ -364,6 +392,13 @@ class MoveWorld(World):
         self.residue_seen: dict[tuple[str, str], float] = {}
         self.disks_lost = 0
         self.provisioning: set[str] = set()
+        self.idle_stops = 0
+        self.wake_requests = 0
+        self.abandoned: list[Any] = []
+        """The replicators of dead agents, kept referenced until the run ends: a garbage-collected SQLite connection
+        closes, and the last one to close checkpoints the WAL into the database, at a moment the collector picks (it
+        depends on what the process ran before). That made a seed's trace depend on the seeds run before it in the
+        same process (a restarted agent found the WAL empty, or not); a killed process never checkpoints."""
 
     def box_factory(self, label: str, region: str) -> Callable[[int], Any]:
         return functools.partial(MoveBox, self, label, region)
@@ -472,22 +507,29 @@ class MoveWorld(World):
         self.provisioning.discard(label)
         super().start(label)
 
-    def write(self, host: str, value: str) -> None:
-        """One write from the app's users: to the box the claim names, to the instance it serves."""
+    def write(self, host: str, value: str, *, retry: bool = False) -> str:
+        """One write from the app's users: to the box the claim names, to the instance it serves. Answers
+        ``acknowledged``, ``asleep`` (nothing serves it on its box: the box was asked to wake it, a router's wake)
+        or ``dropped``."""
         claim = self.checker.claims.get(host)
+        again = " (held)" if retry else ""
         if claim is None or claim.op.exec in ("", "none") or claim.op.exec not in self.slots:
-            self.trace.emit("edge", f"write {value} to {host}: no box serves it")
-            return
+            self.trace.emit("edge", f"write {value} to {host}{again}: no box serves it")
+            return "dropped"
         box = claim.op.exec
         slot = self.slots[box]
         if not slot.up:
-            self.trace.emit("edge", f"write {value} to {host}: {box} is down")
-            return
+            self.trace.emit("edge", f"write {value} to {host}{again}: {box} is down")
+            return "dropped"
         endpoint = slot.actor.agent._endpoint(host)
         inst = self.net.listening.get(endpoint[0]) if endpoint is not None else None
         if inst is None or not inst.alive:
-            self.trace.emit("edge", f"write {value} to {host}: nothing serves it on {box}")
-            return
+            slept = slot.actor.agent.sleep.asleep(host)
+            slot.actor.agent.demand(host)
+            self.wake_requests += 1
+            self.trace.emit("edge", f"write {value} to {host}{again}: nothing serves it on {box}; asked it to wake"
+                                    + (" (asleep)" if slept else ""))
+            return "asleep"
         record = self.records.get(host)
         move = record.move if record is not None else None
         if move is not None and move.committed_at is None and claim.op.participants[-1:] == (box,) \
@@ -495,7 +537,8 @@ class MoveWorld(World):
             self.checker.flag("INV-5", f"a write to {host} reached its move's target {box} before the commit")
         seq = inst.write(value, self.clock.now_ms())
         self.acks.append(Ack(host, box, inst.writer_session, inst.app_session, seq, value, self.loop.time()))
-        self.trace.emit("edge", f"write {value} to {host} on {box}: acknowledged seq {seq}")
+        self.trace.emit("edge", f"write {value} to {host}{again} on {box}: acknowledged seq {seq}")
+        return "acknowledged"
 
     # -- what the checker adds for moves ------------------------------------------------------------
 
@@ -558,7 +601,7 @@ class MoveWorld(World):
                 out.append(f"the move {record.move.id} of {plan.host} is still {record.move.state}")
             holder = claim.holder
             if not any(p.box == claim.op.exec and p.session == holder.session
-                       for p in self.checker.procs if p.host == plan.host):
+                       for p in self.checker.procs if p.host == plan.host) and not self._asleep(plan.host, claim):
                 out.append(f"{plan.host} is not running on {claim.op.exec} as session {holder.session}")
         out += self._residue()
         if not self.s3.idle():
@@ -603,10 +646,11 @@ class MoveWorld(World):
         self.trace.emit(inst.box, f"timer {key[1]} of {inst.host} due {key[2]} delivered to pid {inst.pid}")
 
     async def _timers_run(self) -> None:
-        """Liveness of the timers: within one period and two runner ticks, every serving host's schedule runs on
-        the box that serves it (its timers moved with it, §9.4)."""
+        """Liveness of the timers: within one period, two runner ticks and two scans, every serving host's schedule
+        runs on the box that serves it (its timers moved with it, §9.4), a sleeping host woken by its due time."""
         since = self.loop.time()
-        await asyncio.sleep(TICK_EVERY_S + 2 * AGENT_TIMING.timer_tick_s)
+        within = TICK_EVERY_S + 2 * AGENT_TIMING.timer_tick_s + 2 * AGENT_TIMING.scan_s  # a sleeper is woken first
+        await asyncio.sleep(within)
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None or claim.op.kind != "serving":
@@ -614,8 +658,13 @@ class MoveWorld(World):
             at, box = self.timer_last.get(plan.host, (-1.0, ""))
             if at < since or box != claim.op.exec:
                 self.checker.flag("INV-3", f"the timer of {plan.host} did not run on {claim.op.exec} within "
-                                           f"{TICK_EVERY_S + 2 * AGENT_TIMING.timer_tick_s:.0f} s of quiescence "
+                                           f"{within:.0f} s of quiescence "
                                            f"(last: {'never' if at < 0 else f'{box} at {at:.0f} s'})")
+
+    def _asleep(self, host: str, claim: Claim) -> bool:
+        """The host sleeps on the box that serves it: marked asleep there, and nothing of it runs there."""
+        return (SleepMarks(self.root / "boxes" / claim.op.exec).asleep(host)
+                and not any(p.box == claim.op.exec and p.host == host for p in self.instances.values()))
 
     def _residue(self) -> list[str]:
         """INV-10 for what lands late (§6.4 the straggler sweep): a host at rest has nothing current in its
@@ -658,11 +707,17 @@ class MoveWorld(World):
                                                     f"(first {left[0].key})")
 
     def _inv2(self) -> None:
-        """INV-2 on the serving box: every acknowledged write is in the database it serves from, unless an
-        admission declared its session lost."""
+        """INV-2 on the serving box: every acknowledged write is in the database it serves from (or slept with),
+        unless an admission declared its session lost. A host between its admission and its start (a timer woke
+        it) has no database on the box yet: the cold form checked its generation."""
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None:
+                continue
+            holder = claim.holder
+            if not self._asleep(plan.host, claim) and not any(
+                    p.box == claim.op.exec and p.session == holder.session and p.host == plan.host
+                    for p in self.instances.values()):
                 continue
             db = self.root / "boxes" / claim.op.exec / "data" / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
@@ -736,9 +791,11 @@ class MoveWorld(World):
         return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
                 "reboots": self.reboots, "disks_lost": self.disks_lost,
-                "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats}
+                "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats,
+                "idle_stops": self.idle_stops, "wake_requests": self.wake_requests}
 
     def cleanup(self) -> None:
+        self.abandoned.clear()
         if self.workdir is not None:
             os.chdir(self.previous_cwd)
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -445,6 +445,11 @@ class BoxAgent:
         self._dirty.add(host)
         self._wake.set()
 
+    def take_notified(self) -> set[str]:
+        """The hosts marked dirty since the last call (events, demands), cleared."""
+        taken, self._dirty = self._dirty, set()
+        return taken
+
     async def wake_on(self, nc: Any) -> list[Any]:
         """Subscribe (core NATS) to the ledger's subjects, each event marking its host dirty, and to this box's
         wake requests (``hm.box.<label>.wake``, the body a host name): answered ``{"host", "running"}`` at once;
@@ -512,7 +517,7 @@ class BoxAgent:
             due = {h for h, at in self._due.items() if at <= now}
             for h in due:
                 del self._due[h]
-            work, self._dirty = self._dirty | due, set()
+            work = self.take_notified() | due
             self._wake.clear()
             for host in sorted(work):
                 if stop.is_set():

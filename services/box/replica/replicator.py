@@ -605,6 +605,14 @@ class Replicator:
         conn.execute("BEGIN")
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
 
+    def abandon(self) -> None:
+        """What the death of the process does to this replicator (the simulation's agent crash, which kills no
+        process): its read transactions end, so no read mark of the dead writer pins the WAL against the next
+        stop's ``TRUNCATE``; it is closed for every later call. The connections are left open: closing the last
+        one would checkpoint the WAL into the database, which a killed process never does."""
+        self._closed = True
+        self._end_reads()
+
     def _end_reads(self) -> None:
         for conn in self._readers:
             if conn.in_transaction:
