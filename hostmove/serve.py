@@ -97,6 +97,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
 
     from hostmove.failpoints import Failpoints
     from hostmove.probe_apps import ProbeApps
+    from hostmove.timetext import utc_text
     from services.agent.config import BoxConfigError, load_box, moveprobe_spec
     from services.agent.service import PROFILES, BoxAgent, idle_override
     from services.box.agentcg import box_session
@@ -117,6 +118,13 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
     except ValueError as exc:
         print(f"hostmove serve box: {exc}", flush=True)
+        return 2
+    from services.box.fence import read_fence
+
+    fenced = await read_fence(rt.store, rt.settings.bucket, label)
+    if fenced is not None:
+        print(f"hostmove serve box: box {label} was fenced at {utc_text(fenced[0].fenced_at)} ({fenced[0].evidence}); "
+              "a fenced box never acts again: enroll a replacement under a new label", flush=True)
         return 2
     tree = CgroupTree.discover(label, clock=rt.clock, journal=cfg.box_dir / "spawns")
     ok, why = tree.strict_available()

@@ -60,7 +60,7 @@ from services.box.stamps import StampBook
 from services.box.timers import TimerError, TimerRunner, Timers, TimersBusy
 from services.box.timers import drain as drain_timers
 from services.door.api import Door
-from services.ledger.ledger import Ledger
+from services.ledger.ledger import Committed, Ledger, Refusal
 from services.move import park as parking
 from services.move.sides import (
     FAST,
@@ -74,6 +74,7 @@ from services.move.sides import (
     stage_of,
 )
 from services.objstore.port import ObjectStore
+from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.straggler import StragglerSweep, SweepReport
 from services.target.probe import FAST as PROBE_FAST
@@ -260,6 +261,26 @@ class BoxAgent:
         log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason)
         return f"{host} not started: {started.reason}"
 
+    async def _relocate(self, host: str, claim: Claim) -> list[str]:
+        """This box is the replacement a relocation chose (:mod:`services.recovery.relocation`): the cold admission
+        restores the host from the region's bucket and starts it, then the release makes it serve here."""
+        did = []
+        started = await self._serve(host, claim, eager=True)
+        if started:
+            did.append(started)
+        if not self.running(host):
+            return did
+        op_id, label = claim.op.id, self.label
+        out = await self.ledger.transition("claim", host, "relocation-release",
+                                           lambda cur: decide_relocation_release(cur, op_id, label),
+                                           causation=f"relocation:{label}")
+        if isinstance(out, Committed):
+            did.append(f"relocated here from a fenced box ({op_id}): serving")
+            self.converge_timers(host)
+        elif isinstance(out, Refusal):
+            did.append(f"relocation not released: {out.reason}")
+        return did
+
     def converge_timers(self, host: str) -> bool:
         """The converger (§9.4): the timers the running instance declares replace the host's rows
         (``ReplaceTimers`` keeps the bookkeeping of an unchanged timer). Only for a serving host of this box:
@@ -367,6 +388,10 @@ class BoxAgent:
                         did, out.again_in_s = await self._idle(host, claim)
                         if did:
                             out.did.append(did)
+                return out
+            if claim.op.kind == "relocating":
+                if claim.op.exec == self.label:
+                    out.did += await self._relocate(host, claim)
                 return out
             if record is None:
                 return out

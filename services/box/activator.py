@@ -295,6 +295,9 @@ class Activator:
             if held and (row is None or row.status != "restoring" or row.hold_op != rollback.id):
                 return f"{host} is rolling back but its route is not held restoring by {rollback.id}"
             recovery_probe = held
+        elif claim.op.kind == "relocating":  # §7.10: the replacement box installs once the relocation chose it
+            if claim.op.phase != "installing":
+                return f"{host} is relocating ({claim.op.phase}): no box holds it yet"
         elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
         if claim.op.exec != self.ctx.label:

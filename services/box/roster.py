@@ -38,6 +38,8 @@ class RosterBox(Durable, frozen=True):
     moves_protocol: int
     secrets_key_fp: str
     registered_at: Millis
+    fenced_at: Millis | None = None
+    """Set once the box is fenced (:mod:`services.box.fence`): it never acts, registers or is chosen again."""
 
 
 class Roster(Durable, frozen=True):
@@ -56,6 +58,10 @@ class Roster(Durable, frozen=True):
     def in_region(self, region: str) -> list[RosterBox]:
         return [b for b in self.boxes if b.region == region]
 
+    def live_in_region(self, region: str) -> list[RosterBox]:
+        """The region's boxes that are not fenced (the ones an operation may choose)."""
+        return [b for b in self.in_region(region) if b.fenced_at is None]
+
 
 class RosterRefusal(Exception):
     """A registration the roster refuses, in the operator's words."""
@@ -66,6 +72,9 @@ def decide_register(current: Roster | None, entry: RosterBox) -> Roster:
     boxes = list(current.boxes) if current else []
     existing = next((b for b in boxes if b.label == entry.label), None)
     if existing is not None:
+        if existing.fenced_at is not None:
+            raise RosterRefusal(f"box {entry.label} was fenced (terminated) and never comes back; enroll the "
+                                "replacement under a new label")
         if existing.region != entry.region:
             raise RosterRefusal(
                 f"box {entry.label} is registered in region {existing.region}; a box never changes region"

@@ -151,9 +151,9 @@ def parse_empty(body: bytes) -> DoorRefusal | None:
 
 
 def eligible_boxes(roster: Roster, region: str, lost: frozenset[str]) -> list[RosterBox]:
-    """Phase 1's ``eligibleBoxes(region)``: the roster's boxes in ``region`` not quarantined on the
-    claim's ``lost`` list."""
-    return [b for b in roster.in_region(region) if b.label not in lost]
+    """Phase 1's ``eligibleBoxes(region)``: the roster's boxes in ``region`` that are not fenced and not
+    quarantined on the claim's ``lost`` list."""
+    return [b for b in roster.live_in_region(region) if b.label not in lost]
 
 
 def choose(roster: Roster, region: str, lost: frozenset[str], host: str) -> RosterBox | DoorRefusal:
@@ -177,7 +177,8 @@ def check_floor(
     minimum = floor.min if floor is not None else DEFAULT_FLOOR
     if console < minimum:
         return refuse(409, "M-R13", have=console, floor=minimum)
-    for box in sorted((b for b in roster.boxes if b.region in regions), key=lambda b: (b.region, b.label)):
+    for box in sorted((b for b in roster.boxes if b.region in regions and b.fenced_at is None),
+                      key=lambda b: (b.region, b.label)):
         if box.moves_protocol < minimum:
             return refuse(409, "M-R12", box=box.label, region=box.region, have=box.moves_protocol,
                           floor=minimum, host=host)

@@ -52,6 +52,7 @@ KIND_EDGES: Final[frozenset[tuple[str, str]]] = frozenset({
     ("moving", "reverting"),  # pre-flip recovery (§7.4 reverting)
     ("landing", "restoring"),  # the rollback's claim half (§7.5, §7.8)
     ("moving", "serving"), ("landing", "serving"), ("reverting", "serving"), ("restoring", "serving"),  # K8
+    ("serving", "relocating"), ("relocating", "serving"),  # a fenced box's host and its release (§7.10)
 })
 """The claim ``op.kind`` edges §19.1 and D§3 allow (a kind to itself is a step inside the op, always allowed)."""
 

@@ -6,7 +6,10 @@ For every host with a record, with no memory of its own:
 - releases the claim from ``last_move`` after a crash between the two halves of a close (K8);
 - finishes a door request that crashed between its claim and record CASes (K2; digest D§13.1);
 - raises an alert, once per move and kind, for a deadline passed (``cut_deadline`` before the flip,
-  ``landing_deadline`` before the commit, ``release_deadline`` while rolling back).
+  ``landing_deadline`` before the commit, ``release_deadline`` while rolling back);
+- relocates the hosts of a fenced box (:mod:`services.recovery.relocation`): a serving host of a fenced box to
+  ``relocating`` at ``pinning``, and from there to its region's replacement box once one is enrolled (alerting
+  once while none is).
 
 It decides nothing the record has not decided: every write is conditional on the claim it read.
 """
@@ -22,9 +25,13 @@ from bus.log import EventLog, LogError
 from events.claim import Claim
 from events.durable import DurableValueError
 from events.record import Record
+from services.box.fence import BoxFence, FenceRef, fenced_boxes, verify_ref
+from services.box.roster import Roster, RosterBox, read_roster
+from services.door.decide import choose
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.objstore.port import StoreError
+from services.recovery.relocation import PINNING, decide_fence_host, decide_relocation_target
 
 log = logging.getLogger("hostmove.recovery")
 
@@ -72,6 +79,8 @@ class RecoveryPass:
         self.ledger = ledger
         self.events = events
         self._alerted: set[tuple[str, str]] = set()
+        self._fences: dict[str, tuple[BoxFence, FenceRef]] = {}
+        self._roster: Roster | None = None
 
     async def hosts(self) -> list[str]:
         keys = await self.ledger.store.list_keys(self.ledger.bucket, RECORDS_PREFIX)
@@ -82,6 +91,12 @@ class RecoveryPass:
 
     async def run_once(self) -> PassReport:
         report = PassReport()
+        try:
+            self._fences = await fenced_boxes(self.ledger.store, self.ledger.bucket)
+            self._roster, _ = await read_roster(self.ledger.store, self.ledger.bucket)
+        except (DurableValueError, StoreError) as exc:  # C6: without them, nothing is relocated this pass
+            self._fences, self._roster = {}, None
+            report.errors.append(f"fences or roster unreadable: {exc}")
         for host in await self.hosts():
             report.hosts += 1
             try:
@@ -110,13 +125,63 @@ class RecoveryPass:
             elif isinstance(out, Refusal):
                 report.errors.append(f"{host}: {out.reason}")
         for alert in deadlines_passed(record, self.ledger.clock.now_ms()):
-            if (alert.move_id, alert.kind) in self._alerted:
-                continue
-            fact = Fact(kind=alert.kind, subject=host, id=f"{alert.move_id}:{alert.kind}", actor=self.ledger.actor,
-                        at=self.ledger.clock.now_ms(), payload={"move": alert.move_id, "deadline": alert.deadline})
-            await publish_alert(self.events, fact)
-            self._alerted.add((alert.move_id, alert.kind))
-            report.alerts.append(f"{host}: {alert.kind}")
+            await self._alert_once(host, alert.move_id, alert.kind, {"move": alert.move_id, "deadline": alert.deadline},
+                                   report)
+        if claim is not None and self._roster is not None:
+            await self._relocate(host, claim, report)
+
+    async def _alert_once(self, host: str, op_id: str, kind: str, payload: dict[str, object],
+                          report: PassReport) -> None:
+        if (op_id, kind) in self._alerted:
+            return
+        fact = Fact(kind=kind, subject=host, id=f"{op_id}:{kind}", actor=self.ledger.actor,
+                    at=self.ledger.clock.now_ms(), payload=payload)
+        await publish_alert(self.events, fact)
+        self._alerted.add((op_id, kind))
+        report.alerts.append(f"{host}: {kind}")
+
+    async def _relocate(self, host: str, claim: Claim, report: PassReport) -> None:
+        """The recovery pass's part of a relocation (:mod:`services.recovery.relocation`)."""
+        assert self._roster is not None
+        op = claim.op
+        fenced = self._fences.get(op.exec)
+        if fenced is not None and op.kind == "serving":
+            record_, ref = fenced
+            now = self.ledger.clock.now_ms()
+            out = await self.ledger.transition(
+                "claim", host, "relocation-fence", lambda cur: decide_fence_host(cur, ref, record_.region, now),
+                causation="recovery")
+            if isinstance(out, Committed):
+                report.claim_halves.append(f"{host}: relocating/pinning (box {ref.label} is fenced)")
+                claim, op = out.state, out.state.op
+            elif isinstance(out, Refusal):
+                report.errors.append(f"{host}: {out.reason}")
+        elif op.kind != "relocating" and any(p in self._fences for p in (op.exec, *op.participants)):
+            await self._alert_once(host, op.id or op.kind, "fenced-box-in-operation",
+                                   {"kind": op.kind, "boxes": sorted(set(self._fences) & {op.exec, *op.participants})},
+                                   report)
+        if op.kind != "relocating" or op.phase != PINNING:
+            return
+        for name, cited in sorted(op.journal.items()):
+            if name.startswith("fence."):
+                why = verify_ref(cited, self._fences.get(name[len("fence."):]))
+                if why is not None:
+                    report.errors.append(f"{host}: the relocation waits: {why}")
+                    return
+        region = str(op.intent.get("from", ""))
+        chosen = choose(self._roster, region, frozenset(b.box for b in claim.lost), host)
+        if not isinstance(chosen, RosterBox):
+            await self._alert_once(host, op.id, "relocation-waiting-for-box",
+                                   {"region": region, "reason": chosen.reason}, report)
+            return
+        op_id, box = op.id, chosen.label
+        out = await self.ledger.transition(
+            "claim", host, "relocation-target", lambda cur: decide_relocation_target(cur, op_id, box, region),
+            causation="recovery")
+        if isinstance(out, Committed):
+            report.claim_halves.append(f"{host}: relocating/installing on {box}")
+        elif isinstance(out, Refusal):
+            report.errors.append(f"{host}: {out.reason}")
 
     async def _finish_door_record(self, host: str, claim: Claim, report: PassReport) -> None:
         from services.door.decide import decide_move_record
