@@ -337,3 +337,37 @@ async def test_a_new_owner_process_stops_a_running_app_and_readmits(world: World
     assert not a_ctx.tree.populated(host)
     second = await successor.wake(host)
     assert isinstance(second, Started) and second.session > first.session, "a new owner is a new session"
+
+
+async def test_a_stop_cancelled_while_it_waits_for_the_sync_loop_is_cancelled(tmp_path: Path) -> None:
+    """The caller's cancellation propagates out of :meth:`Activator.stop` (an agent crash mid-stop): it was swallowed
+    with the sync loop's own, and the dead agent's pass loop ran on beside its successor (found by the simulation)."""
+    from types import SimpleNamespace
+
+    from services.box.activator import _Running
+
+    class Drained:
+        async def reopen_and_drain(self, host: str, within_s: float) -> SimpleNamespace:
+            return SimpleNamespace(drained=True, error="", remaining=[])
+
+    synced: list[str] = []
+
+    class Replicator:
+        async def sync(self) -> None:
+            synced.append("sync")
+
+    hang = asyncio.Event()
+    loop_task = asyncio.ensure_future(hang.wait())  # a sync loop that has not seen its stop yet
+    ctx = SimpleNamespace(tree=Drained(), label="ie-x")
+    activator = Activator(ctx, AppSpec(argv=["true"], env=lambda *_: {}))  # type: ignore[arg-type]
+    activator.running["h.example"] = _Running(spawned=None, port=1, session=1, generation="g", location="l",  # type: ignore[arg-type]
+                                              replicator=Replicator(), task=loop_task)  # type: ignore[arg-type]
+    stopping = asyncio.ensure_future(activator.stop("h.example"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert synced == [], "the cancelled stop went on to its final sync"
+    hang.set()
+    await loop_task

@@ -592,8 +592,10 @@ class Activator:
             return None
         running.stop.set()
         if running.task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await running.task
+            # Wait for the sync loop's own end, a cancelled loop included, without raising its outcome here: a
+            # `suppress(CancelledError)` around `await running.task` also swallowed the cancellation of this caller
+            # (the simulation's agent crash mid-stop: the dead agent's pass loop ran on beside its successor).
+            await asyncio.wait({running.task})
         rep = running.replicator
         if not await final_sync(rep):
             return None
