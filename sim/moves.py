@@ -53,6 +53,7 @@ from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
 from services.box.activator import AppSpec, StartPolicy
+from services.box.fence import fence_box
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.roster import init_box
 from services.box.sleep import SleepMarks
@@ -78,12 +79,12 @@ from sim.twins.box import Ack, SimInstance, SimNet, SimTree
 from sim.twins.jetstream import SimEventLog
 from sim.twins.s3 import NOMINAL, Landed, M17Policy, Principal
 from sim.workload import Workload
-from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRandom, World, retry_expected
+from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRandom, Slot, World, retry_expected
 
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
 LEDGER_EVENTS = "hm.ledger.>"
-IDLE_S = 420.0
+IDLE_S = 240.0
 """An instance idle this long sleeps (issue 5 item 4): shorter than the timers' period, so every host sleeps between
 its writes and between its timer runs, and each due time wakes it again (its run is a commit: activity)."""
 EDGE_RETRY_S = 30.0
@@ -97,6 +98,9 @@ AGENT_TIMING = AgentTiming(scan_s=60.0, retry_s=5.0, move=Timings(
     probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0, idle_s=IDLE_S)
 FAILPOINT_P = 0.01
 DISK_LOST_P = 0.5
+TERMINATED_P = 0.3
+"""Of the lost disks, the share whose machine is gone for good (issue 5 item 1): the platform fences the box and a
+replacement under a new label is enrolled in its region (:meth:`MoveWorld.terminate`)."""
 TICK_EVERY_S = 600.0
 """The schedule every simulated instance declares in ``timers.json`` (moveprobe's declared schedule, §14.4)."""
 RESIDUE_BOUND_S = 3600.0
@@ -373,9 +377,7 @@ class MoveWorld(World):
         self.lost: set[tuple[str, str, int]] = set()  # (host, box, session) declared lost by an admission
         self.records: dict[str, Record] = {}
         self._pids = iter(range(40000, 10**9))
-        self.trees = {label: SimTree(label, self.net, lambda: next(self._pids), self._writer_session,
-                                     self._instance_started, self._instance_stopped)
-                      for label in sorted(self.boxes)}
+        self.trees = {label: self._tree(label) for label in sorted(self.boxes)}
         self.instances: dict[int, Proc] = {}
         self.s3.observers.append(self._landed)
         self.protocol = ProtocolCheck()
@@ -394,11 +396,16 @@ class MoveWorld(World):
         self.provisioning: set[str] = set()
         self.idle_stops = 0
         self.wake_requests = 0
+        self.terminations = 0
         self.abandoned: list[Any] = []
         """The replicators of dead agents, kept referenced until the run ends: a garbage-collected SQLite connection
         closes, and the last one to close checkpoints the WAL into the database, at a moment the collector picks (it
         depends on what the process ran before). That made a seed's trace depend on the seeds run before it in the
         same process (a restarted agent found the WAL empty, or not); a killed process never checkpoints."""
+
+    def _tree(self, label: str) -> SimTree:
+        return SimTree(label, self.net, lambda: next(self._pids), self._writer_session, self._instance_started,
+                       self._instance_stopped)
 
     def box_factory(self, label: str, region: str) -> Callable[[int], Any]:
         return functools.partial(MoveBox, self, label, region)
@@ -461,7 +468,50 @@ class MoveWorld(World):
         local file of the box (issue 5 item 3), and the box is provisioned again before its agent starts."""
         self.agent_deaths.setdefault(label, []).append(self.loop.time())
         if self.plan.fault("chaos.reboot", 0.25):
-            self.reboot(label, lose_disk=self.plan.fault("chaos.disk_lost", DISK_LOST_P))
+            lose_disk = self.plan.fault("chaos.disk_lost", DISK_LOST_P)
+            if lose_disk and self._terminable(label) and self.plan.fault("chaos.terminated", TERMINATED_P):
+                self.terminate(label)
+                return
+            self.reboot(label, lose_disk=lose_disk)
+
+    def _terminable(self, label: str) -> bool:
+        """A box may be terminated while no operation names it: the conversion of a move whose participant is
+        fenced (rule ``fence-converts-moving``, §7.10) is not built, so the world does not terminate a box in one."""
+        return not any(c.op.kind != "serving" and label in (c.op.exec, *c.op.participants)
+                       for c in self.checker.claims.values())
+
+    def terminate(self, label: str) -> None:
+        """The box's machine is gone for good: every process and file of it (a reboot that loses the disk and never
+        boots), then the platform fences it and enrolls a replacement in its region under a new label."""
+        self.reboot(label, lose_disk=True)
+        self.unprovisioned.discard(label)
+        self.terminated.add(label)
+        self.terminations += 1
+        self.trace.emit(label, "terminated: the machine is gone for good")
+        asyncio.ensure_future(self._replace(label))
+
+    async def _replace(self, label: str) -> None:
+        region = self.boxes[label]
+        clock = self.actor_clock("platform")
+        store = self.s3.client(Principal("console", "platform"), clock)
+        events = SimEventLog(self.js, "platform", fates=self.plan)
+        actor = Actor(service="platform", pid=1, nonce="platform")
+
+        async def fence() -> None:
+            await fence_box(store=store, bucket=DEPLOY, events=events, clock=clock, actor=actor, label=label,
+                            compute=lambda box: f"the machine of box {box} was terminated")
+
+        await retry_expected(lambda what: self.trace.emit("platform", what), "fence", fence)
+        self.trace.emit("platform", f"fenced {label}")
+        await asyncio.sleep(self.plan.uniform("chaos.replacement_after", 60, 1800))
+        n = 1 + max(int(b.rsplit("-", 1)[1]) for b in self.boxes if self.boxes[b] == region)
+        new = f"{region}-{n}"
+        self.boxes[new] = region
+        self.trees[new] = self._tree(new)
+        self.slots[new] = Slot(new, self.box_factory(new, region))
+        self.unprovisioned.add(new)
+        self.trace.emit("platform", f"enrolls {new} in {region}, the replacement of {label}")
+        self.start(new)
 
     def reboot(self, label: str, *, lose_disk: bool) -> None:
         """The box's reboot, its agent already dead (see :meth:`box_agent_died`)."""
@@ -483,7 +533,9 @@ class MoveWorld(World):
     def start(self, name: str) -> Any:
         """A box whose disk was lost is provisioned again (``hostmove box init``: its directory, its copy of the
         secrets key, its roster entry refreshed) before its agent starts (the agent refuses a box directory without
-        ``box.json``, services/agent/config.py)."""
+        ``box.json``, services/agent/config.py). A terminated box never starts again."""
+        if name in self.terminated:
+            return None
         if name not in self.unprovisioned:
             return super().start(name)
         if name not in self.provisioning:
@@ -585,7 +637,7 @@ class MoveWorld(World):
         out: list[str] = []
         for name in sorted(self.slots):
             slot = self.slots[name]
-            if name in ("edge", "chaos"):
+            if name in ("edge", "chaos") or name in self.terminated:
                 continue
             if not slot.up:
                 out.append(f"{name} is down")
@@ -792,7 +844,8 @@ class MoveWorld(World):
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
                 "reboots": self.reboots, "disks_lost": self.disks_lost,
                 "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats,
-                "idle_stops": self.idle_stops, "wake_requests": self.wake_requests}
+                "idle_stops": self.idle_stops, "wake_requests": self.wake_requests,
+                "terminations": self.terminations}
 
     def cleanup(self) -> None:
         self.abandoned.clear()

@@ -468,12 +468,12 @@ class ChaosActor(ActorBase):
 
     async def run(self) -> None:
         plan = self.world.plan
-        targets = sorted(self.world.boxes) + ["console"]
         while True:
             await asyncio.sleep(plan.uniform("chaos.gap", 30, 400))
             if plan.calm:
                 return
             if plan.fault("chaos.crash", 0.6):
+                targets = sorted(b for b in self.world.boxes if b not in self.world.terminated) + ["console"]
                 target = plan.choice("chaos.target", targets)
                 self.world.crash(target, "chaos")
                 if target == "console" and plan.fault("chaos.console_lost", 0.3):
@@ -507,6 +507,7 @@ class World:
         self.admin = self.s3.client(Principal("admin", "admin"), self.clock, fates=NOMINAL)
         self.key_fp = "sha256:" + self.plan.token("secrets_key_fp", 16).hex()
         self.slots: dict[str, Slot] = {}
+        self.terminated: set[str] = set()  # boxes gone for good (the world with moves replaces them)
         self.skews: dict[str, int] = {}
         self.gates: dict[tuple[str, str], Gate] = {}
         self.crash_points: dict[tuple[str, str], int] = {}
