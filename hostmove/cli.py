@@ -189,6 +189,10 @@ async def _host(args: argparse.Namespace) -> int:
             print(f"{args.host} was not created: box {args.box} is not in the roster "
                   "(run `hostmove box init` on it first).", file=sys.stderr)
             return 1
+        if entry.fenced_at is not None:
+            print(f"{args.host} was not created: box {args.box} was fenced (gone for good); create it on a live box "
+                  f"of {entry.region}.", file=sys.stderr)
+            return 1
         out = await create_host(rt.ledger, args.host, box=entry.label, region=entry.region,
                                 incarnation=new_incarnation(rt.rng), causation="cli:host-create")
     finally:

@@ -118,6 +118,10 @@ COPY: dict[str, Copy] = _table(
      "where it stands."),
     ("M-R32", "door", "This path does not take {method}. Allowed: {allowed}."),
     ("M-R33", "door", "The request body is larger than {limit} bytes."),
+    ("M-R34", "door",
+     "{host} runs on {box}, which was fenced (gone for good). It is being relocated to a replacement box in {region}; "
+     "move it once it serves there."),
+    ("M-R35", "door", "{box} was fenced (gone for good). Create {host} on a live box of {region}."),
     # -- the door's answers and status lines ------------------------------------------------------
     ("M-S1", "door", "Cut requested for {host}. The source starts it once its checks are fresh."),
     ("M-S2", "door",

@@ -234,9 +234,16 @@ class ConsoleActor(ActorBase):
             incarnation = str(claim.op.intent["create"]["incarnation"])
         else:
             incarnation = new_incarnation(PlanRandom(self.world.plan, "incarnation"))
+        box = plan.box
+        if box in self.world.terminated:  # the platform places a host on a live box of its region
+            live = sorted(b for b, r in self.world.boxes.items() if r == plan.region and b not in self.world.terminated)
+            if not live:
+                self.emit(f"create {plan.host} waits: {plan.region} has no live box")
+                return
+            box = live[0]
         await self.world.pause_point("console.before_create", self.name)
-        out = await create_host(self.ledger, plan.host, box=plan.box, region=plan.region, incarnation=incarnation)
-        self.emit(f"create {plan.host} on {plan.box}: {type(out).__name__}")
+        out = await create_host(self.ledger, plan.host, box=box, region=plan.region, incarnation=incarnation)
+        self.emit(f"create {plan.host} on {box}: {type(out).__name__}")
         if isinstance(out, Committed):
             self.done.add(plan.host)
 

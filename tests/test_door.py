@@ -224,6 +224,18 @@ def test_region_rules() -> None:
     refused(request_claim(serving("gone-1"), "uk"), 409, "M-R14")
 
 
+def test_a_fenced_box_is_never_a_source_or_a_target_and_does_not_count_in_its_region() -> None:
+    fenced_us2 = Roster(gen=2, boxes=tuple(msgspec.structs.replace(b, fenced_at=5) if b.label == "us-2" else b
+                                           for b in ROSTER.boxes))
+    out = request_claim(serving(), "us", roster=fenced_us2)  # us-2 is gone: us is a one-box region again
+    assert isinstance(out, Claim) and out.op.participants == ("ie-1", "us-1")
+    fenced_ie1 = Roster(gen=2, boxes=tuple(msgspec.structs.replace(b, fenced_at=5) if b.label == "ie-1" else b
+                                           for b in ROSTER.boxes))
+    out = refused(request_claim(serving(), "uk", roster=fenced_ie1), 409, "M-R34")
+    assert "ie-1" in out.reason and "relocated" in out.reason
+    refused(request_claim(serving("uk-1"), "ie", roster=fenced_ie1), 409, "M-R11")
+
+
 def test_lost_boxes_are_not_eligible() -> None:
     lost_one = serving(lost=(LostBox(box="us-2"),))
     out = request_claim(lost_one, "us")

@@ -27,6 +27,7 @@ from events import Actor, Record, Transition, decode
 from hostmove.ports import ManualClock, SystemRandom
 from hostmove.runtime import Runtime, settings_from_stack
 from hostmove.stackinfo import StackInfo
+from services.box.fence import decide_fence_roster
 from services.box.roster import RosterBox, decide_register, init_box, update_roster
 from services.door.api import ROUTES, Door, document, make_app, serve_door
 from services.door.auth import Identity, TokenSet
@@ -427,6 +428,12 @@ async def test_create_refusals_and_percent_encoded_dotted_names(env: Env) -> Non
     await assert_refused(env, host, f"/v1/hosts/{host}/create", {"box": "uk-1"}, 409, "M-R24")
     other = env.host("nobox")
     await assert_refused(env, other, f"/v1/hosts/{other}/create", {"box": "xx-9"}, 409, "M-R23")
+    gone = RosterBox(label="ie-9", region="ie", moves_protocol=1, secrets_key_fp="sha256:" + "9" * 64,
+                     registered_at=env.clock.now_ms())  # enrolled, then fenced: it counts nowhere from then on
+    await update_roster(env.store, env.bucket, lambda cur: decide_register(cur, gone))
+    await update_roster(env.store, env.bucket, lambda cur: decide_fence_roster(cur, "ie-9", env.clock.now_ms()))
+    got = await assert_refused(env, other, f"/v1/hosts/{other}/create", {"box": "ie-9"}, 409, "M-R35")
+    assert "fenced" in got["reason"] and "live box of ie" in got["reason"]
     await assert_refused(env, other, f"/v1/hosts/{other}/create", {}, 400, "M-R6")
     slash = await env.post("/v1/hosts/a%2Fb/create", {"box": "uk-1"})
     assert slash[0] == 400 and slash[1]["copy"] == "M-R3"

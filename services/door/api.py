@@ -244,6 +244,8 @@ class Door:
         entry = roster.box(box)
         if entry is None:
             return refusal_answer(refuse(409, "M-R23", box=box))
+        if entry.fenced_at is not None:
+            return refusal_answer(refuse(409, "M-R35", box=box, host=host, region=entry.region))
         claim = await self.claim(host)
         incarnation = new_incarnation(self.rng)
         if claim is not None:

@@ -224,6 +224,8 @@ def decide_move_claim(
     source = roster.box(op.exec)
     if source is None:
         return refuse(409, "M-R14", host=host, box=op.exec)
+    if source.fenced_at is not None:  # its relocation comes first (§7.10); a move from a dead box never ends
+        return refuse(409, "M-R34", host=host, box=source.label, region=source.region)
     if request.to == source.region:
         return refuse(400, "M-R9", host=host, region=source.region)
     lost = frozenset(b.box for b in current.lost)
