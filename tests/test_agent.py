@@ -352,3 +352,26 @@ async def test_a_target_that_will_not_start_rolls_back_to_the_source(stack: Stac
         assert await w.store.list_keys(f"{w.prefix}-uk", claim.holder.location) == [], "the target parked it all"
         assert await w.store.list_keys(f"{w.prefix}-ie", f"move-snapshots/{host}/{move_id}/") == []
         await still_served_on_ie(w, host, "after the rollback")
+
+
+def test_the_edge_table_never_names_an_instance_whose_route_is_held(tmp_path: Path) -> None:
+    """§5.2: the edge never serves a held row. A landing's probe app runs before the commit under the target's
+    ``landing`` hold; naming it in the edge table sent public traffic to the target early (INV-5, found by the
+    simulation at move seed 187)."""
+    from types import SimpleNamespace
+
+    from hostmove.ports import WallClock
+    from services.agent.service import BoxAgent
+    from services.box.registry import Registry, RouteRow
+
+    registry = Registry.open(tmp_path, WallClock())
+    probe = SimpleNamespace(app=SimpleNamespace(port=4321))
+    agent = SimpleNamespace(registry=registry, activator=SimpleNamespace(running={}),
+                            landing=SimpleNamespace(running={"h.example": probe}))
+    registry.insert(RouteRow(host="h.example", status="ready"))
+    assert BoxAgent._endpoint(agent, "h.example") == (4321, -1)  # type: ignore[arg-type]
+    assert registry.hold("h.example", "landing", "mv_" + "a" * 26)
+    assert BoxAgent._endpoint(agent, "h.example") is None  # type: ignore[arg-type]
+    assert registry.leave_hold("h.example", "mv_" + "a" * 26)
+    assert BoxAgent._endpoint(agent, "h.example") == (4321, -1)  # type: ignore[arg-type]
+    registry.close()

@@ -211,7 +211,12 @@ class BoxAgent:
 
     def _endpoint(self, host: str) -> tuple[int, int] | None:
         """``(port, session)`` of the instance running here (the landing's probe session opened by the
-        commit's admission: the claim's session)."""
+        commit's admission: the claim's session). None while its route is held: the edge never serves a held row
+        (§5.2), so a landing's probe app is not named before the open (INV-5; the simulation's edge found the probe
+        named in the edge table before the commit)."""
+        row = self.registry.get(host)
+        if row is not None and row.held:
+            return None
         if host in self.activator.running:
             running = self.activator.running[host]
             return running.port, running.session
