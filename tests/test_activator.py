@@ -306,6 +306,32 @@ async def test_five_failed_starts_mark_the_route_failed(world: World, unique: Ca
     assert not a_ctx.tree.populated(host)
 
 
+class _FilesPutsTimeOut(_PutsTimeOut):
+    """Only the files manifest's PUTs time out (a store outage while a start publishes it)."""
+
+    async def put(self, bucket: str, key: str, body: bytes, **kw: object) -> object:
+        if "/files/" in key:
+            return await super().put(bucket, key, body, **kw)
+        return await self.inner.put(bucket, key, body, **kw)
+
+
+async def test_a_store_outage_during_a_start_is_not_a_failed_start(world: World, unique: Callable[[str], str]) -> None:
+    """Only the app failing counts toward the five attempts that mark the route failed for an operator: a store
+    that does not answer raises, nothing is marked, nothing is left running, and the next wake starts (the
+    simulation: an outage at a first wake left the host failed for good, with no human to clear it)."""
+    ctx = world.box("ie-s")
+    host = await setup_host(world, unique, ctx)
+    ctx.data_store = _FilesPutsTimeOut(world.store)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable):
+        await world.activator(ctx, policy=StartPolicy(first_backoff_s=0.01)).wake(host)
+    row = ctx.registry.get(host)
+    assert row is not None and row.status == "ready", "a store outage never marks the route failed"
+    assert not ctx.tree.populated(host), "the half-started app was stopped"
+    ctx.data_store = world.store
+    started = await world.activator(ctx).wake(host)
+    assert isinstance(started, Started), started
+
+
 async def test_the_start_check_refuses_files_of_another_incarnation(world: World, unique: Callable[[str], str]) -> None:
     from services.box.markers import write_files_gen
 

@@ -83,7 +83,7 @@ from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.stamps import StampBook
 from services.ledger.ledger import Committed, Ledger, Refusal
-from services.objstore.port import Got, Lost, ObjectStore, StoreError
+from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.activator")
 
@@ -526,9 +526,12 @@ class Activator:
                                    ctx.data_dir / f"{claim.host}.env")
         except UnsupportedEntry as exc:
             log.error("the files of %s have no manifest in generation %s: %s", claim.host, holder.generation, exc)
-        except (FilesManifestError, ArchiveError, StoreError) as exc:
+        except (FilesManifestError, ArchiveError) as exc:
             raise StartError(f"the files manifest of generation {holder.generation} could not be published: "
                              f"{exc}") from None
+        # A StoreError propagates, as from the restore, the first upload and the marker: a store that does not
+        # answer is not the app failing to start, so it never counts toward the five attempts that mark the route
+        # failed for an operator (the simulation: a store outage at a first wake left a host failed for good).
 
     def installation_artifacts(self, host: str) -> dict[str, Path]:
         """The local artifacts of an installation (§6.1): the database, its WAL, SHM and ``.gen``, the files."""
