@@ -201,3 +201,4 @@ def test_asleep_marks_survive_a_reopen_and_name_their_hosts(tmp_path: Path) -> N
     again = SleepMarks(tmp_path)
     assert again.asleep("a.example.com") and again.hosts() == ["a.example.com", "b/odd name"]
     assert again.clear("b/odd name") and not again.asleep("b/odd name")
+
