@@ -15,8 +15,9 @@ production actors of a move instead of the box stand-in:
   write to a sleeping host asks its box to wake it and is held and tried again (the router's wake); hosts sleep
   after ``IDLE_S`` idle (:mod:`services.box.sleep`), and a due timer or a move wakes them too;
 - the **chaos** actor crashes agents and the console (memory lost, disk kept); one agent crash in four is its box's
-  reboot, and half of those lose the box's disk (it is provisioned again before its agent starts); named
-  failpoints of the landing and the finalizers crash an agent mid-move.
+  reboot, and half of those lose the box's disk (it is provisioned again before its agent starts), some of those a
+  machine gone for good (fenced, and replaced under a new label; :meth:`MoveWorld.terminate`); named failpoints of
+  the landing and the finalizers crash an agent mid-move.
 
 Invariants beyond :class:`sim.invariants.Checker`'s (spec §4; model digest §1): INV-2 (every acknowledged write
 is in the serving database, or its writer session is declared lost by a later admission), INV-5 (no public
