@@ -749,7 +749,8 @@ def test_the_move_gate() -> None:
     report = moves_gate(20, out=lines.append)
     assert report.ok, "\n".join(lines[-60:])
     assert sum(r.counters.get("moves_done", 0) for r in report.results) >= 20, "the seeds move hosts"
-    total = {k: sum(r.counters.get(k, 0) for r in report.results) for k in ("idle_stops", "wake_requests", "disks_lost")}
+    total = {k: sum(r.counters.get(k, 0) for r in report.results)
+             for k in ("idle_stops", "wake_requests", "disks_lost")}
     assert total["idle_stops"] >= 100 and total["wake_requests"] >= 20, f"hosts sleep and are woken: {total}"
     assert total["disks_lost"] >= 3, f"boxes lose their disks: {total}"
 
