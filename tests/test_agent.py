@@ -33,7 +33,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed
 from services.ledger.audit import run_audit
 from services.objstore.s3 import S3Store
-from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
+from tests.helpers.agents import AgentWorld, agent_world, answers_ready, data_buckets, eventually
 
 WRITES = 10
 ONCE_AFTER_MS = 4000
@@ -56,19 +56,11 @@ def get_json(port: int, path: str) -> dict[str, list[dict[str, object]]]:
     return body
 
 
-def ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
-            return 200 <= resp.status < 400
-    except OSError:
-        return False
-
-
 async def serving_port(w: AgentWorld, region: str, host: str, timeout_s: float = 30.0,
                        newer_than: int | None = None) -> int:
     async def check() -> int | None:  # named in the box's edge table and answering its readiness path
         port = read_endpoint(w.box_dir(region), host, newer_than=newer_than)
-        return port if port is not None and await asyncio.to_thread(ready, port) else None
+        return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
 
     return await eventually(check, f"{host} served on {w.labels[region]}", timeout_s)
 

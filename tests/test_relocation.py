@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from services.recovery.relocation import (
     decide_relocation_target,
     relocation_id,
 )
-from tests.helpers.agents import agent_world, data_buckets, drain_box_groups, eventually
+from tests.helpers.agents import agent_world, answers_ready, data_buckets, drain_box_groups, eventually
 
 HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
 
@@ -101,7 +100,7 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
         assert "every process of box" in fenced.stdout
         agent = w.agents["ie"]
         assert agent.proc is not None and agent.proc.wait(10) != 0, "the fence killed the box's agent"
-        assert not await asyncio.to_thread(lambda: _answers(port)), "the fence killed the instance"
+        assert not await asyncio.to_thread(answers_ready, port), "the fence killed the instance"
 
         recovery = RecoveryPass(w.ledger, w.events)
         report = await recovery.run_once()
@@ -160,14 +159,6 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
         finally:
             new_agent.stop()
             drain_box_groups(replacement)
-
-
-def _answers(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
-            return 200 <= resp.status < 400
-    except OSError:
-        return False
 
 
 # -- the deciders (pure) ---------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed
 from services.objstore.port import Got
 from services.objstore.s3 import S3Store
-from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
+from tests.helpers.agents import AgentWorld, agent_world, answers_ready, data_buckets, eventually
 
 HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
 IDLE_S = "2"
@@ -50,14 +50,6 @@ async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterato
         yield s
 
 
-def answers(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
-            return 200 <= resp.status < 400
-    except OSError:
-        return False
-
-
 async def claim_of(w: AgentWorld, host: str) -> Claim:
     claim = (await w.ledger.read_claim(host)).state
     assert claim is not None and claim.holder is not None
@@ -67,7 +59,7 @@ async def claim_of(w: AgentWorld, host: str) -> Claim:
 async def served(w: AgentWorld, host: str, newer_than: int | None = None) -> int:
     async def check() -> int | None:
         port = read_endpoint(w.box_dir("ie"), host, newer_than=newer_than)
-        return port if port is not None and await asyncio.to_thread(answers, port) else None
+        return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
 
     return await eventually(check, f"{host} served on {w.labels['ie']}", 30)
 
@@ -78,7 +70,7 @@ async def asleep(w: AgentWorld, host: str, port: int) -> None:
 
     async def check() -> bool:
         return (marks.asleep(host) and read_endpoint(w.box_dir("ie"), host) is None
-                and not await asyncio.to_thread(answers, port))
+                and not await asyncio.to_thread(answers_ready, port))
 
     await eventually(check, f"{host} to fall asleep after {IDLE_S} s idle", 30)
 

@@ -587,8 +587,10 @@ class Activator:
             raise StartError(f"the process tree of {host} did not drain: {drain.error or drain.remaining}")
 
     async def stop(self, host: str) -> Certificate | None:
-        """Stop the instance, run the final sync and certify the session when nothing is left behind."""
-        running = self.running.pop(host, None)
+        """Stop the instance, run the final sync and certify the session when nothing is left behind. The instance
+        stays in :attr:`running` until its tree is drained and its sync loop has ended, so a stop that fails or is
+        cancelled before that leaves it where the next stop (or the process's death) finds it."""
+        running = self.running.get(host)
         await self._stop_tree(host)
         if running is None:
             await self.flush_orphan(host)
@@ -599,6 +601,7 @@ class Activator:
             # `suppress(CancelledError)` around `await running.task` also swallowed the cancellation of this caller
             # (the simulation's agent crash mid-stop: the dead agent's pass loop ran on beside its successor).
             await asyncio.wait({running.task})
+        self.running.pop(host, None)
         rep = running.replicator
         if not await final_sync(rep):
             return None

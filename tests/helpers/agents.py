@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -131,3 +132,12 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
         for label in labels.values():  # an agent killed by a failpoint never scrubbed its groups: nothing stays
             drain_box_groups(label)
         await store.delete_bucket(deploy)
+
+
+def answers_ready(port: int) -> bool:
+    """The instance on ``port`` answers its readiness path with 200 to 399."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+            return 200 <= resp.status < 400
+    except OSError:
+        return False
