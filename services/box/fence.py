@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import msgspec
 
@@ -79,19 +79,6 @@ async def read_fence(store: ObjectStore, bucket: str, label: str) -> tuple[BoxFe
         return None
     fence = decode(got.body, BoxFence)
     return fence, FenceRef(label, fence.enrollment, key, hashlib.sha256(got.body).hexdigest())
-
-
-async def fenced_boxes(store: ObjectStore, bucket: str) -> dict[str, tuple[BoxFence, FenceRef]]:
-    """Every fence, by box label."""
-    out = {}
-    for key in await store.list_keys(bucket, FENCES_PREFIX):
-        if not key.endswith(".json"):
-            continue
-        label = unquote(key[len(FENCES_PREFIX):-len(".json")])
-        found = await read_fence(store, bucket, label)
-        if found is not None:
-            out[label] = found
-    return out
 
 
 def verify_ref(ref: dict[str, object], fence: tuple[BoxFence, FenceRef] | None) -> str | None:
@@ -168,4 +155,4 @@ async def fence_box(*, store: ObjectStore, bucket: str, events: EventLog, clock:
 
 
 __all__ = ["FENCES_PREFIX", "BoxFence", "ComputeFence", "FenceRef", "FenceRefused", "cgroup_fence",
-           "decide_fence_roster", "fence_box", "fence_key", "fenced_boxes", "read_fence", "verify_ref"]
+           "decide_fence_roster", "fence_box", "fence_key", "read_fence", "verify_ref"]

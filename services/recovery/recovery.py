@@ -25,7 +25,7 @@ from bus.log import EventLog, LogError
 from events.claim import Claim
 from events.durable import DurableValueError
 from events.record import Record
-from services.box.fence import BoxFence, FenceRef, fenced_boxes, verify_ref
+from services.box.fence import BoxFence, FenceRef, read_fence, verify_ref
 from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
@@ -79,8 +79,8 @@ class RecoveryPass:
         self.ledger = ledger
         self.events = events
         self._alerted: set[tuple[str, str]] = set()
-        self._fences: dict[str, tuple[BoxFence, FenceRef]] = {}
         self._roster: Roster | None = None
+        self._fenced: frozenset[str] = frozenset()
 
     async def hosts(self) -> list[str]:
         keys = await self.ledger.store.list_keys(self.ledger.bucket, RECORDS_PREFIX)
@@ -92,11 +92,14 @@ class RecoveryPass:
     async def run_once(self) -> PassReport:
         report = PassReport()
         try:
-            self._fences = await fenced_boxes(self.ledger.store, self.ledger.bucket)
             self._roster, _ = await read_roster(self.ledger.store, self.ledger.bucket)
-        except (DurableValueError, StoreError) as exc:  # C6: without them, nothing is relocated this pass
-            self._fences, self._roster = {}, None
-            report.errors.append(f"fences or roster unreadable: {exc}")
+        except (DurableValueError, StoreError) as exc:  # C6: without it, nothing is relocated this pass
+            self._roster = None
+            report.errors.append(f"the roster is unreadable: {exc}")
+        # The roster marks a box fenced only after its fence record exists (fence_box), so a fence is read only
+        # for a host whose box the roster marks, and never listed.
+        self._fenced = frozenset(b.label for b in self._roster.boxes if b.fenced_at is not None) \
+            if self._roster is not None else frozenset()
         for host in await self.hosts():
             report.hosts += 1
             try:
@@ -140,12 +143,16 @@ class RecoveryPass:
         self._alerted.add((op_id, kind))
         report.alerts.append(f"{host}: {kind}")
 
+    async def _fence(self, label: str) -> tuple[BoxFence, FenceRef] | None:
+        """The box's fence, read fresh (a consumer re-reads the cited record, §7.10 "The fence reference")."""
+        return await read_fence(self.ledger.store, self.ledger.bucket, label)
+
     async def _relocate(self, host: str, claim: Claim, report: PassReport) -> None:
         """The recovery pass's part of a relocation (:mod:`services.recovery.relocation`)."""
         assert self._roster is not None
         op = claim.op
-        fenced = self._fences.get(op.exec)
-        if fenced is not None and op.kind == "serving":
+        fenced = await self._fence(op.exec) if op.exec in self._fenced and op.kind == "serving" else None
+        if fenced is not None:
             record_, ref = fenced
             now = self.ledger.clock.now_ms()
             out = await self.ledger.transition(
@@ -156,15 +163,15 @@ class RecoveryPass:
                 claim, op = out.state, out.state.op
             elif isinstance(out, Refusal):
                 report.errors.append(f"{host}: {out.reason}")
-        elif op.kind != "relocating" and any(p in self._fences for p in (op.exec, *op.participants)):
+        elif op.kind != "relocating" and self._fenced & {op.exec, *op.participants}:
             await self._alert_once(host, op.id or op.kind, "fenced-box-in-operation",
-                                   {"kind": op.kind, "boxes": sorted(set(self._fences) & {op.exec, *op.participants})},
+                                   {"kind": op.kind, "boxes": sorted(self._fenced & {op.exec, *op.participants})},
                                    report)
         if op.kind != "relocating" or op.phase != PINNING:
             return
         for name, cited in sorted(op.journal.items()):
             if name.startswith("fence."):
-                why = verify_ref(cited, self._fences.get(name[len("fence."):]))
+                why = verify_ref(cited, await self._fence(name[len("fence."):]))
                 if why is not None:
                     report.errors.append(f"{host}: the relocation waits: {why}")
                     return
