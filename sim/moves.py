@@ -661,7 +661,7 @@ class MoveWorld(World):
                 out.append(f"{plan.host} is not running on {claim.op.exec} as session {holder.session}")
         out += self._residue()
         if not self.s3.idle():
-            out.append(f"{len(self.s3.inflight)} object-store requests in flight")
+            out.append(f"{len(self.s3.inflight)} object-store requests in flight, {self.s3.paused} callers paused")
         for (obj, host), (gen, _body) in sorted(self.checker.current.items()):
             if self.checker.stream_last.get((obj, host), 0) != gen:
                 out.append(f"gen {gen} of the {obj} of {host} is not on the stream")

@@ -774,7 +774,7 @@ class World:
             if normalize(holder.generation) != (marker[1] if marker else ""):
                 out.append(f"the marker of {plan.host} does not name {holder.generation or 'origin'}")
         if not self.s3.idle():
-            out.append(f"{len(self.s3.inflight)} object-store requests in flight")
+            out.append(f"{len(self.s3.inflight)} object-store requests in flight, {self.s3.paused} callers paused")
         for label in sorted(self.boxes):
             if not self.js.consumer_idle(LEDGER_STREAM, f"box-{label}"):
                 out.append(f"box-{label} has undelivered or unacknowledged events")

@@ -225,6 +225,7 @@ class SimS3:
         self.denied: list[str] = []
         self.on_denied: Callable[[str], None] | None = None
         self.inflight: dict[int, Request] = {}
+        self.paused = 0  # callers paused before sending their request (a process freeze between check and request)
         self.holds: list[Hold] = []
         self.observers: list[Callable[[Landed], None]] = []
         self._ids = itertools.count(1)
@@ -251,7 +252,9 @@ class SimS3:
         return sorted(k for k in b.keys if k.startswith(prefix) and self.inner._current(b, k) is not None)
 
     def idle(self) -> bool:
-        return not self.inflight
+        """No request in flight and no caller paused before sending one (a frozen replicator that has not
+        uploaded yet is not quiescence: INV-2's cold form reads the bucket after it, found at move seed 65)."""
+        return not self.inflight and not self.paused
 
     # -- the server side of one request -------------------------------------------------------------
 
@@ -375,11 +378,15 @@ class SimS3Client:
     ) -> T:
         s = self.server
         fate = self.fates.s3_request(access.op, access.key, s.timing, long_tail_p=s.long_tail_p(access))
-        if fate.pause_before_sign:
-            await asyncio.sleep(fate.pause_before_sign)  # paused between the check and the request
-        signed_at = self.clock.now_ms()
-        if fate.pause_after_sign:
-            await asyncio.sleep(fate.pause_after_sign)  # signed, not yet sent: the signature ages
+        s.paused += 1  # a caller frozen before its request is work in progress: the world is not idle meanwhile
+        try:
+            if fate.pause_before_sign:
+                await asyncio.sleep(fate.pause_before_sign)  # paused between the check and the request
+            signed_at = self.clock.now_ms()
+            if fate.pause_after_sign:
+                await asyncio.sleep(fate.pause_after_sign)  # signed, not yet sent: the signature ages
+        finally:
+            s.paused -= 1
         req = Request(next(s._ids), self.principal, access, signed_at, fate)
         s.inflight[req.id] = req
         loop = asyncio.get_running_loop()
