@@ -317,7 +317,12 @@ class MoveConsole(ConsoleActor):
                               f"{answer.body.get('reason', '')}")
                     if answer.status in (200, 201, 409):
                         self.asked.add(m.host)
-                if m.cut == "manual" and m.cut_at <= now and m.host in self.asked and m.host not in self.cut:
+                shown = self.mworld.records.get(m.host)
+                ready_again = shown is not None and shown.move is not None and shown.move.state == "ready"
+                # The operator cuts when the status says "Ready to cut", again if a cut went back to ready (§7.4: the
+                # admission's checks were stale, T13: the source was down for longer than their freshness window).
+                if m.cut == "manual" and m.cut_at <= now and m.host in self.asked and (
+                        m.host not in self.cut or ready_again):
                     answer = await self.door.cut(m.host, OPERATOR)
                     self.emit(f"door: cut {m.host}: {answer.status} {answer.body.get('reason', '')}")
                     record = self.mworld.records.get(m.host)
