@@ -744,7 +744,7 @@ def test_the_gate() -> None:
 def test_the_move_gate() -> None:
     """The first 20 seeds of the world with moves (the production agents, door and recovery under chaos: crashes,
     store and bus faults, failpoints, lost disks, sleeping hosts), each twice: every one converges clean to the same
-    trace. (A machine replaced under a new label: the scripted test below, and 21 of seeds 0..299.)"""
+    trace. (A machine replaced under a new label: the scripted test below, and 23 of seeds 0..299.)"""
     lines: list[str] = []
     report = moves_gate(20, out=lines.append)
     assert report.ok, "\n".join(lines[-60:])
