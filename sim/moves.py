@@ -722,10 +722,14 @@ class MoveWorld(World):
                                            f"{within:.0f} s of quiescence "
                                            f"(last: {'never' if at < 0 else f'{box} at {at:.0f} s'})")
 
+    def _runs(self, host: str, box: str, session: int | None = None) -> bool:
+        """A live instance of ``host`` on ``box`` (of writer ``session``, if given)."""
+        return any(p.box == box and p.host == host and (session is None or p.session == session)
+                   for p in self.instances.values())
+
     def _asleep(self, host: str, claim: Claim) -> bool:
         """The host sleeps on the box that serves it: marked asleep there, and nothing of it runs there."""
-        return (SleepMarks(self.root / "boxes" / claim.op.exec).asleep(host)
-                and not any(p.box == claim.op.exec and p.host == host for p in self.instances.values()))
+        return SleepMarks(self.root / "boxes" / claim.op.exec).asleep(host) and not self._runs(host, claim.op.exec)
 
     def _residue(self) -> list[str]:
         """INV-10 for what lands late (§6.4 the straggler sweep): a host at rest has nothing current in its
@@ -775,10 +779,7 @@ class MoveWorld(World):
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None:
                 continue
-            holder = claim.holder
-            if not self._asleep(plan.host, claim) and not any(
-                    p.box == claim.op.exec and p.session == holder.session and p.host == plan.host
-                    for p in self.instances.values()):
+            if not self._asleep(plan.host, claim) and not self._runs(plan.host, claim.op.exec, claim.holder.session):
                 continue
             db = self.root / "boxes" / claim.op.exec / "data" / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")

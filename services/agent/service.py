@@ -188,8 +188,6 @@ class BoxAgent:
         self.sleep = SleepMarks(cfg.box_dir)
         self._activity: dict[str, Activity] = {}
         self._stopping: set[str] = set()
-        self.idle_stops = 0
-        self.demand_wakes = 0
         self._dirty: set[str] = set()
         self._due: dict[str, float] = {}
         self._wake = asyncio.Event()
@@ -340,14 +338,12 @@ class BoxAgent:
         finally:
             self._stopping.discard(host)
         self._activity.pop(host, None)
-        self.idle_stops += 1
         return f"idle for {idle_s:g} s: stopped; asleep until a request or a timer wakes it", None
 
     def demand(self, host: str) -> bool:
         """A router's wake request (or a due timer's): a sleeping host is woken by the next pass, a running one
         counts as active. Answers whether it runs here now."""
-        if self.sleep.clear(host):
-            self.demand_wakes += 1
+        self.sleep.clear(host)
         running = self.running(host)
         if running and host in self._activity:
             self._activity[host].at_s = self.clock.monotonic()
@@ -513,6 +509,10 @@ class BoxAgent:
         adopted = await self.activator.adopt_running()
         for host in adopted:
             log.info("stopped %s found running: a new agent is a new session", host)
+        asleep = self.sleep.hosts()
+        if asleep:  # what the operator sees not running here, and why
+            log.info("%d hosts asleep on %s until a request or a timer wakes them: %s", len(asleep), self.label,
+                     ", ".join(asleep[:20]) + (" ..." if len(asleep) > 20 else ""))
         for path in sorted((self.cfg.box_dir / "endpoints").glob("*.json")):  # a dead agent's edge table is stale
             self.publish_endpoint(unquote(path.name[: -len(".json")]))
         timers = asyncio.ensure_future(self._timer_loop(stop))
