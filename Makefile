@@ -41,7 +41,7 @@ crash-matrix: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy events bus services projections hostmove moveprobe sim bench
+	$(BIN)/mypy events kernel bus services projections hostmove moveprobe sim bench
 
 stack-down: $(STAMP)
 	$(BIN)/hostmove stack down

@@ -2,7 +2,7 @@
 
 The data is 64 MiB of mixed files written once under a temp directory: large incompressible files
 (media), semi-compressible text, structured JSON lines, and a thousand small files. The archive side
-runs the full pipeline of :func:`services.box.archive.build_archive` (scan, sorted tar with per-file
+runs the full pipeline of :func:`services.box.artifacts.archive.build_archive` (scan, sorted tar with per-file
 and plaintext sha256, zstd, 1 MiB AES-256-GCM chunks, sealed sha256) into a sink that discards the
 bytes. The raw side encrypts the same file contents, already in memory, with AES-256-GCM in 1 MiB
 chunks and nothing else. Both rates are file bytes per second, best of several interleaved rounds.
@@ -35,8 +35,8 @@ import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from bench.common import result
-from services.box.archive import DEFAULT_LEVEL, build_archive
-from services.box.sealing import chunk_aad, chunk_nonce, generate_private_key
+from services.box.artifacts.archive import DEFAULT_LEVEL, build_archive
+from services.box.artifacts.sealing import chunk_aad, chunk_nonce, generate_private_key
 
 TARGET = 0.25
 MIB = 1 << 20

@@ -19,7 +19,7 @@ from bench.common import private_stack, result
 from bus.nats_log import NatsEventLog
 from events import Actor, Claim, Op
 from events.base import canonical
-from hostmove.ports import WallClock
+from kernel.ports import WallClock
 from services.ledger import Committed, Ledger
 from services.objstore.port import Won
 from services.objstore.s3 import S3Store

@@ -2,7 +2,7 @@
 
 For each database size (1, 16 and 64 MiB) a fresh ``moveprobe`` instance serves on the ``ie`` box (a real process in
 a cgroup v2 leaf, real SQLite replicated into SeaweedFS), is filled through ``POST /write`` with incompressible
-values, and is moved to the ``uk`` box by :func:`services.move.e2e.run_move` on a private stack. Then:
+values, and is moved to the ``uk`` box by :func:`tests.helpers.e2e.run_move` on a private stack. Then:
 
 - **Offline window**: from the ``cut-stopping`` transition (§7.4 ``stopping``: the journal write before the
   source stops serving) to the record's ``opened_at`` (§7.9 step 2: the target serves), both authority times
@@ -47,23 +47,22 @@ from events import Actor
 from events.base import decode
 from events.envelope import Transition
 from events.ids import new_incarnation
-from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import ProbeApps, post_write
 from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
-from services.box.activator import Activator, AppSpec, BoxContext, Started
-from services.box.agentcg import box_session
-from services.box.proctree import CgroupTree
-from services.box.registry import Registry, RouteRow
+from services.box.artifacts.sealing import load_private_key, secrets_key_fp
+from services.box.instance.activator import Activator, AppSpec, BoxContext, Started
+from services.box.instance.agentcg import box_session
+from services.box.instance.proctree import CgroupTree
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import Timers
 from services.box.roster import init_box
-from services.box.sealing import load_private_key, secrets_key_fp
-from services.box.stamps import StampBook
-from services.box.timers import Timers
 from services.door.api import Door
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
-from services.move.e2e import Deployment, MoveOutcome, SourceSide, TargetSide, Timings, run_move
 from services.objstore.port import Got, Lost, Missing, ObjectStore, VersionEntry, Won
 from services.objstore.s3 import S3Store
 from services.source.preparing import LaunchInputs
@@ -71,6 +70,7 @@ from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox
+from tests.helpers.e2e import Deployment, MoveOutcome, SourceSide, TargetSide, Timings, run_move
 
 TARGET = 3  # printed as `target=3`
 MIB = 1 << 20

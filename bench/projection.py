@@ -24,8 +24,8 @@ from pathlib import Path
 from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
 from events import Transition, canonical
-from hostmove.ports import SystemRandom, WallClock
 from hostmove.stack import stack_down, stack_up
+from kernel.ports import SystemRandom, WallClock
 from projections.runner import Projector
 from projections.sample import claim_state, record_state, transition
 from projections.store import ProjectionStore, decode_event

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.common import private_stack, result
-from hostmove.ports import WallClock
+from kernel.ports import WallClock
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import Plan, plan_restore
 from services.box.replica.replicator import Replicator

@@ -1,6 +1,6 @@
 """Operation ids (digest D§1): ``mv_`` or ``rb_`` and 26 lowercase base32 characters.
 
-Console-minted, opaque and never ordered. Randomness comes through the :class:`~hostmove.ports.Random`
+Console-minted, opaque and never ordered. Randomness comes through the :class:`~kernel.ports.Random`
 port, so a simulation draws them from its seed.
 """
 

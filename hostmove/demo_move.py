@@ -25,15 +25,15 @@ import aiohttp
 import msgspec
 
 from hostmove import move_cli
-from hostmove.ports import WallClock
 from hostmove.probe_apps import free_port, post_write
 from hostmove.procs import ServiceProc, service_env
 from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
 from hostmove.runtime import Runtime
 from hostmove.stackinfo import StackInfo
+from kernel.ports import WallClock
 from services.agent.config import region_bucket
 from services.agent.service import read_endpoint
-from services.box.proctree import CgroupTree
+from services.box.instance.proctree import CgroupTree
 from services.box.roster import BoxInit
 from services.door.auth import token_digest
 

@@ -30,9 +30,9 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import aiohttp
 
-from hostmove.copy import say
-from hostmove.ports import Clock, WallClock
-from hostmove.timetext import utc_text
+from events.copy import say
+from kernel.ports import Clock, WallClock
+from kernel.timetext import utc_text
 
 ENV_URL = "HOSTMOVE_DOOR_URL"
 ENV_TOKEN = "HOSTMOVE_TOKEN"

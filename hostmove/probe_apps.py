@@ -1,10 +1,10 @@
 """``moveprobe`` as the instance of the embedded default: one home for what the demo, ``bench/move`` and the
 end-to-end tests all need (a free loopback port, an acknowledged write, the target's probe apps).
 
-The target's probe apps are the box's strict spawns (§5.3 "Every spawn under a move is strict", the target's
-probe): each attempt starts through :meth:`~services.box.proctree.CgroupTree.spawn_strict` into the host's leaf,
-with moveprobe's forked worker on, and stops by killing and draining that leaf. Nothing is spawned first and
-moved afterwards, so nothing ever runs in the agent's own leaf (where §5.3 step 2 would count it a stray).
+The target's probe apps are the box's strict spawns (§5.3 "Every spawn under a move is strict", the target's probe):
+each attempt starts through :meth:`~services.box.instance.proctree.CgroupTree.spawn_strict` into the host's leaf,
+with moveprobe's forked worker on, and stops by killing and draining that leaf. Nothing is spawned first and moved
+afterwards, so nothing ever runs in the agent's own leaf (where §5.3 step 2 would count it a stray).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moveprobe.config import probe_env
-from services.box.proctree import CgroupTree, find_cgroup2_root
+from services.box.instance.proctree import CgroupTree, find_cgroup2_root
 from services.target.probe import ProbeApp, ProcessApp
 
 

@@ -2,7 +2,7 @@
 
 Each service runs in its own process group with its output in a log file; ``stop`` sends SIGTERM and waits (the
 service stops what it runs and exits 0), a crash is a SIGKILL from outside or from a failpoint
-(:mod:`hostmove.failpoints`). The environment names the stack explicitly (``HOSTMOVE_NATS_URL`` and the S3
+(:mod:`kernel.failpoints`). The environment names the stack explicitly (``HOSTMOVE_NATS_URL`` and the S3
 settings), so a service never guesses where the authority is.
 """
 

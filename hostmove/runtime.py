@@ -16,8 +16,8 @@ import msgspec
 
 from bus.nats_log import NatsEventLog
 from events.envelope import Actor
-from hostmove.ports import Clock, Random, SystemRandom, WallClock, pid, process_nonce
 from hostmove.stackinfo import StackInfo
+from kernel.ports import Clock, Random, SystemRandom, WallClock, pid, process_nonce
 from services.ledger.ledger import Ledger
 from services.objstore.probe import run_probe_or_exit
 from services.objstore.s3 import S3Store

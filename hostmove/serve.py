@@ -81,10 +81,10 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
 
 
 async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
-    from services.door.api import serve_door
+    from services.door.api import Door, serve_door
     from services.door.auth import load_tokens
 
-    runner = await serve_door(rt, port or 8081, tokens=load_tokens())
+    runner = await serve_door(Door(rt.ledger, clock=rt.clock, rng=rt.rng), port or 8081, tokens=load_tokens())
     print(f"door: operator API on http://127.0.0.1:{port or 8081}/ (OpenAPI at /openapi.json)", flush=True)
     try:
         await stop.wait()
@@ -95,13 +95,13 @@ async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
 async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     import os
 
-    from hostmove.failpoints import Failpoints
     from hostmove.probe_apps import ProbeApps
-    from hostmove.timetext import utc_text
+    from kernel.failpoints import Failpoints
+    from kernel.timetext import utc_text
     from services.agent.config import BoxConfigError, load_box, moveprobe_spec
     from services.agent.service import PROFILES, BoxAgent, idle_override
-    from services.box.agentcg import box_session
-    from services.box.proctree import CgroupTree
+    from services.box.instance.agentcg import box_session
+    from services.box.instance.proctree import CgroupTree
     from services.ledger.ledger import Ledger
 
     try:

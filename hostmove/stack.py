@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
-from hostmove.fsutil import atomic_write
 from hostmove.stackinfo import StackInfo
+from kernel.fsutil import atomic_write
 
 BIN_DIR = Path(sys.executable).parent
 NATS_BIN = BIN_DIR / "nats-server"

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from hostmove.ports import Clock, SystemRandom, WallClock
+from kernel.ports import Clock, SystemRandom, WallClock
 from moveprobe.acks import AckLog, RowAck, TickAck, TimerAck, canonical_value
 from moveprobe.config import Config, ConfigError, load_config
 from moveprobe.instance import Instance, KeyRefused, TimerRun, boot

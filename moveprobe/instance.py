@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from hostmove.ports import Clock, Random
+from kernel.ports import Clock, Random
 from moveprobe.config import Config
 
 KEY_BYTES = 32

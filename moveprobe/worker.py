@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from hostmove.ports import Clock
+from kernel.ports import Clock
 from moveprobe.config import Config
 
 

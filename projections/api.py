@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from hostmove.ports import Clock, WallClock
+from kernel.ports import Clock, WallClock
 from projections.openapi import DEFAULT_LIMIT, DEFAULT_WAIT_S, MAX_LIMIT, MAX_WAIT_S, document
 from projections.runner import Projector
 from projections.store import ChangesPage, ProjectionStore, Resync

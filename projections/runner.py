@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from bus.log import EventLog, LogError, StoredMessage
 from bus.subjects import LEDGER_PREFIX
-from hostmove.ports import Clock, WallClock
+from kernel.ports import Clock, WallClock
 from projections.store import Applied, IdentityChanged, ProjectionError, ProjectionPoison, ProjectionStore
 
 log = logging.getLogger("hostmove.projections")

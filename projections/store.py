@@ -42,7 +42,7 @@ from typing import Any, Literal
 from bus.log import EventLog, StoredMessage
 from bus.subjects import LEDGER_STREAM, SubjectError, parse_ledger_subject
 from events import DurableValueError, Transition, decode
-from hostmove.ports import Clock, Random, SystemRandom, WallClock
+from kernel.ports import Clock, Random, SystemRandom, WallClock
 from projections.fold import COLUMNS, HostRow, as_json, step
 
 log = logging.getLogger("hostmove.projections")

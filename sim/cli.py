@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hostmove import rules
+from kernel import rules
 
 __all__ = ["main"]
 

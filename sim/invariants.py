@@ -41,8 +41,8 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import Transition
 from events.record import Record
-from services.box.admission import REFUSED_KINDS
-from services.box.markers import GenerationMarker, normalize
+from services.box.artifacts.markers import GenerationMarker, normalize
+from services.box.instance.admission import REFUSED_KINDS
 from services.box.roster import ROSTER_KEY, Roster
 from services.ledger.audit import HistoryCheck
 from services.ledger.ledger import META_SHA

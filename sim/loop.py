@@ -223,7 +223,7 @@ _ALLOWED_CALLERS = frozenset({"logging"})
 the trace."""
 
 _ALLOWED: dict[str, frozenset[str]] = {
-    "threading.Thread.start (a thread)": frozenset({"services.box.archive"}),
+    "threading.Thread.start (a thread)": frozenset({"services.box.artifacts.archive"}),
     "time.monotonic (the wall clock)": frozenset({"services.box.replica.wal"}),
     "time.sleep (the wall clock)": frozenset({"services.box.replica.wal"}),
 }

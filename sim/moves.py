@@ -13,7 +13,7 @@ production actors of a move instead of the box stand-in:
   and asks the door (:class:`services.door.api.Door`, in-process) for the seed's moves and manual cuts;
 - the **edge** sends each host's writes to the box its claim names (an instance acknowledges after its commit); a
   write to a sleeping host asks its box to wake it and is held and tried again (the router's wake); hosts sleep
-  after ``IDLE_S`` idle (:mod:`services.box.sleep`), and a due timer or a move wakes them too;
+  after ``IDLE_S`` idle (:mod:`services.box.instance.sleep`), and a due timer or a move wakes them too;
 - the **chaos** actor crashes agents and the console (memory lost, disk kept); one agent crash in four is its box's
   reboot, and half of those lose the box's disk (it is provisioned again before its agent starts), some of those a
   machine gone for good (fenced, and replaced under a new label; :meth:`MoveWorld.terminate`); named failpoints of
@@ -49,15 +49,15 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import Actor, Transition
 from events.record import Record
-from hostmove import ports
+from kernel import ports
 from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
-from services.box.activator import AppSpec, StartPolicy
 from services.box.fence import fence_box
+from services.box.instance.activator import AppSpec, StartPolicy
+from services.box.instance.sleep import SleepMarks
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.roster import init_box
-from services.box.sleep import SleepMarks
 from services.door.api import Door, Unreadable
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -151,6 +151,16 @@ def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tup
                                                          timing.chaos_s + 3600)))
     writes.sort(key=lambda w: (w.at, w.host))
     return tuple(moves), tuple(writes)
+
+
+def abandon(replicator: Any) -> None:
+    """What the death of the process does to a replicator (the simulation's agent crash, which kills no process):
+    its read transactions end, so no read mark of the dead writer pins the WAL against the next stop's
+    ``TRUNCATE``, and it is closed for every later call. The connections are left open: closing the last one
+    would checkpoint the WAL into the database, which a killed process never does. It lives here, not on
+    :class:`~services.box.replica.replicator.Replicator`, because only the simulation models a death in-process."""
+    replicator._closed = True
+    replicator._end_reads()
 
 
 class MoveBox(ActorBase):
@@ -268,7 +278,7 @@ class MoveBox(ActorBase):
         for running in list(self.agent.activator.running.values()):
             if running.task is not None:
                 running.task.cancel()
-            running.replicator.abandon()
+            abandon(running.replicator)
             self.mworld.abandoned.append(running.replicator)
         for app in list(self.agent.landing.running.values()):
             task = getattr(app, "task", None)
@@ -276,7 +286,7 @@ class MoveBox(ActorBase):
                 task.cancel()
             replicator = getattr(app, "replicator", None)
             if replicator is not None:
-                replicator.abandon()
+                abandon(replicator)
                 self.mworld.abandoned.append(replicator)
         super().kill()
         for closable in (self.agent.registry, self.agent.stamps, self.agent.timers):
@@ -840,7 +850,7 @@ class MoveWorld(World):
     @contextlib.contextmanager
     def ports(self) -> Iterator[None]:
         """The simulation's ports for the run's tasks: blocking work inline, ``SystemRandom`` seeded, the
-        box-local network answered by :class:`SimNet` (:func:`hostmove.ports.simulation`); and the run's own
+        box-local network answered by :class:`SimNet` (:func:`kernel.ports.simulation`); and the run's own
         temporary working directory (one run at a time per process)."""
         self.workdir = Path(tempfile.mkdtemp(prefix="hostmove-sim-"))
         self.previous_cwd = os.getcwd()

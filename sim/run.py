@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from hostmove import rules
+from kernel import rules
 from sim.faults import FaultPlan, Timing
 from sim.invariants import Violation
 from sim.loop import SimBudgetExceeded, SimDeadlock, SimulationRefused, run

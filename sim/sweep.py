@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from hostmove import rules
+from kernel import rules
 from sim.run import Result, run_seed
 from sim.witness import WITNESSES, Witness, WitnessVerdict, judge, run_witness, subsets
 

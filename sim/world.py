@@ -9,9 +9,9 @@ data bucket per region, behind the M17 policy. Every actor runs the real code pa
 - each **box** registers in the roster (:func:`services.box.roster.update_roster`), consumes claim
   events on a durable consumer (bounded redelivery with :func:`bus.app.on_failure`), reconciles
   periodically, and wakes hosts: a fresh claim read (K6), the cold admission through the ledger
-  (:func:`services.box.admission.decide_admit_writer`), the start check
-  (:func:`services.box.markers.start_check`), the start, and the conditional generation marker
-  (:func:`services.box.markers.publish_generation_marker`). The activator itself does not exist yet:
+  (:func:`services.box.instance.admission.decide_admit_writer`), the start check
+  (:func:`services.box.artifacts.markers.start_check`), the start, and the conditional generation marker
+  (:func:`services.box.artifacts.markers.publish_generation_marker`). The activator itself does not exist yet:
   :class:`BoxAgent` stands in for it, following the start order of digest D§6, and guards its own
   steps with named rules (``exec-admission``, ``hostguard``, ``admit-before-start``);
 - the **edge** delivers the workload's wake requests to boxes; the **chaos** actor crashes boxes and
@@ -42,9 +42,8 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import Actor
 from events.ids import new_incarnation
-from hostmove import rules
-from services.box.admission import AdmitRequest, decide_admit_writer
-from services.box.markers import (
+from kernel import rules
+from services.box.artifacts.markers import (
     GenerationMarker,
     MarkerRead,
     Refused,
@@ -54,6 +53,7 @@ from services.box.markers import (
     read_generation_marker,
     start_check,
 )
+from services.box.instance.admission import AdmitRequest, decide_admit_writer
 from services.box.roster import MOVES_PROTOCOL, RosterBox, RosterRefusal, decide_register, update_roster
 from services.hosts.create import create_host
 from services.ledger.ledger import Committed, Crash, Ledger, LedgerDefect
@@ -549,7 +549,7 @@ class World:
         return functools.partial(EdgeActor, self)
 
     def ports(self) -> contextlib.AbstractContextManager[None]:
-        """The ports the run's tasks use (:mod:`hostmove.ports`); the stand-in needs none."""
+        """The ports the run's tasks use (:mod:`kernel.ports`); the stand-in needs none."""
         return contextlib.nullcontext()
 
     def cleanup(self) -> None:

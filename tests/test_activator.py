@@ -22,12 +22,13 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events import Actor, Claim
 from events.claim import Op
-from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, read_acks
 from moveprobe.config import probe_env
-from services.box.activator import (
+from services.box.artifacts.markers import read_files_gen
+from services.box.instance.activator import (
     Activator,
     AppSpec,
     BoxContext,
@@ -38,11 +39,10 @@ from services.box.activator import (
     remove_box_data,
     unshipped_path,
 )
-from services.box.markers import read_files_gen
-from services.box.proctree import CgroupTree
-from services.box.registry import Registry, RouteRow
+from services.box.instance.proctree import CgroupTree
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook
 from services.box.replica.restore import restore_generation
-from services.box.stamps import StampBook
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.objstore.port import StoreUnavailable
@@ -333,7 +333,7 @@ async def test_a_store_outage_during_a_start_is_not_a_failed_start(world: World,
 
 
 async def test_the_start_check_refuses_files_of_another_incarnation(world: World, unique: Callable[[str], str]) -> None:
-    from services.box.markers import write_files_gen
+    from services.box.artifacts.markers import write_files_gen
 
     a_ctx = world.box("ie-h")
     host = await setup_host(world, unique, a_ctx)
@@ -370,7 +370,7 @@ async def test_a_stop_cancelled_while_it_waits_for_the_sync_loop_is_cancelled(tm
     with the sync loop's own, and the dead agent's pass loop ran on beside its successor (found by the simulation)."""
     from types import SimpleNamespace
 
-    from services.box.activator import _Running
+    from services.box.instance.activator import _Running
 
     class Drained:
         async def reopen_and_drain(self, host: str, within_s: float) -> SimpleNamespace:

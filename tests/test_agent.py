@@ -19,11 +19,11 @@ import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
 from events.ids import new_incarnation
-from hostmove.failpoints import ENV
-from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import post_write
 from hostmove.rehearsal import ack_logs, checks, timers_once
 from hostmove.stackinfo import StackInfo
+from kernel.failpoints import ENV
+from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
 from services.door.api import Door
@@ -352,9 +352,9 @@ def test_the_edge_table_never_names_an_instance_whose_route_is_held(tmp_path: Pa
     simulation at move seed 187)."""
     from types import SimpleNamespace
 
-    from hostmove.ports import WallClock
+    from kernel.ports import WallClock
     from services.agent.service import BoxAgent
-    from services.box.registry import Registry, RouteRow
+    from services.box.instance.registry import Registry, RouteRow
 
     registry = Registry.open(tmp_path, WallClock())
     probe = SimpleNamespace(app=SimpleNamespace(port=4321))

@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostmove.ports import SeededRandom
-from services.box import archive as A
-from services.box import sealing as S
+from kernel.ports import SeededRandom
+from services.box.artifacts import archive as A
+from services.box.artifacts import sealing as S
 
 HOST = "shop.example.com"
 OP = "mv_" + "a" * 26

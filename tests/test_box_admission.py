@@ -13,10 +13,9 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events import Actor, Claim
 from events.claim import Admission, Holder, Op
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
-from services.box.admission import AdmitRequest, decide_admit_writer
-from services.box.markers import (
+from kernel.ports import ManualClock
+from services.box.artifacts.markers import (
     FilesGen,
     GenerationMarker,
     Ready,
@@ -30,6 +29,7 @@ from services.box.markers import (
     write_files_gen,
     write_local_gen,
 )
+from services.box.instance.admission import AdmitRequest, decide_admit_writer
 from services.hosts.create import decide_begin_create, decide_finish_create
 from services.ledger import Committed, Ledger, Refusal
 from services.objstore.port import Lost, Won

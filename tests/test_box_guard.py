@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from events.claim import Claim, Holder, Op, OpKind
-from hostmove.ports import ManualClock, WallClock
-from services.box.guard import Guarded, GuardTimeout, host_guard, lock_path
-from services.box.stamps import (
+from kernel.ports import ManualClock, WallClock
+from services.box.instance.guard import Guarded, GuardTimeout, host_guard, lock_path
+from services.box.instance.stamps import (
     Activate,
     NoChange,
     Refuse,
@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
     """
     import asyncio, os, sys
     from pathlib import Path
-    from services.box.guard import host_guard
+    from services.box.instance.guard import host_guard
 
     box, host, log, counter, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
     me = str(os.getpid())
@@ -69,7 +69,7 @@ HOLDER = textwrap.dedent(
     """
     import asyncio, sys
     from pathlib import Path
-    from services.box.guard import host_guard
+    from services.box.instance.guard import host_guard
 
     async def read_claim():
         return None

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.claim import Claim, Holder, Op, OpKind
-from hostmove.ports import ManualClock
-from services.box.registry import (
+from kernel.ports import ManualClock
+from services.box.instance.registry import (
     HOLD_STATUSES,
     LEAVE_HOLD_SQL,
     Keep,

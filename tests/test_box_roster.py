@@ -14,8 +14,8 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from bus.subjects import FACTS_STREAM, fact_subject
 from events import Actor
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock
 from services.box.roster import RosterBox, RosterRefusal, decide_register, init_box, read_roster
 from services.objstore.s3 import S3Store
 

@@ -15,9 +15,9 @@ import pytest_asyncio
 from aiohttp import web
 from msgspec.structs import replace
 
-from hostmove.ports import ManualClock, WallClock
-from services.box.registry import Registry, RouteRow
-from services.box.timers import (
+from kernel.ports import ManualClock, WallClock
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.timers import (
     TimerError,
     TimerRow,
     TimerRunner,

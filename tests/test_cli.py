@@ -21,9 +21,9 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Claim, Op
-from hostmove.ports import WallClock
 from hostmove.probe_apps import free_port
 from hostmove.stackinfo import StackInfo
+from kernel.ports import WallClock
 from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, object_key
 from services.objstore.port import Got

@@ -21,8 +21,8 @@ import pytest
 import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
-from hostmove.failpoints import ENV, ENV_LOG
 from hostmove.stackinfo import StackInfo
+from kernel.failpoints import ENV, ENV_LOG
 from services.agent.service import endpoint_path
 from services.objstore.s3 import S3Store
 from tests.helpers.agents import agent_world, data_buckets, eventually

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from events.base import decode
 from events.claim import Claim, Holder, LostBox, Obligation, Op
+from events.copy import COPY, CopyError, say
 from events.durable import DurableValueError
 from events.record import LastMove, Move, Record
-from hostmove.copy import COPY, CopyError, say
 from services.box.roster import Roster, RosterBox
 from services.door.auth import TokenConfigError, TokenSet, load_tokens, parse_entries, token_digest
 from services.door.decide import (

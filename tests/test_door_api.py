@@ -24,9 +24,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Record, Transition, decode
-from hostmove.ports import ManualClock, SystemRandom
 from hostmove.runtime import Runtime, settings_from_stack
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock, SystemRandom
 from services.box.fence import decide_fence_roster
 from services.box.roster import RosterBox, decide_register, init_box, update_roster
 from services.door.api import ROUTES, Door, document, make_app, serve_door
@@ -477,7 +477,8 @@ def _walk(node: Any) -> list[Any]:
 async def test_serve_door_listens_on_a_real_port(env: Env, stack: StackInfo, tmp_path: Path) -> None:
     rt = Runtime(settings_from_stack(stack, root=tmp_path, bucket=env.bucket), env.store, env.events, env.ledger,
                  env.clock, SystemRandom(), Actor(service="door", pid=1, nonce="n"))
-    runner = await serve_door(rt, 0, tokens=TokenSet.of(operators={"alice": OPERATOR}))
+    door = Door(rt.ledger, clock=rt.clock, rng=rt.rng)
+    runner = await serve_door(door, 0, tokens=TokenSet.of(operators={"alice": OPERATOR}))
     try:
         port = runner.addresses[0][1]
         async with ClientSession() as session:

@@ -19,10 +19,10 @@ import pytest_asyncio
 
 from events.base import DurableValueError, canonical, decode
 from events.ids import new_op_id
-from hostmove import rules
-from hostmove.ports import ManualClock, SeededRandom, WallClock
 from hostmove.stackinfo import StackInfo
-from services.box.evidence import (
+from kernel import rules
+from kernel.ports import ManualClock, SeededRandom, WallClock
+from services.box.instance.evidence import (
     Checkpoint,
     Cleared,
     Evidenced,
@@ -41,7 +41,16 @@ from services.box.evidence import (
     lease_file_check,
     reconstruct_stop_evidence,
 )
-from services.box.proctree import BOOT_ID, CgroupTree, Drain, Holder, HolderScan, SpawnHistory, SpawnJournal, StrayScan
+from services.box.instance.proctree import (
+    BOOT_ID,
+    CgroupTree,
+    Drain,
+    Holder,
+    HolderScan,
+    SpawnHistory,
+    SpawnJournal,
+    StrayScan,
+)
 from services.objstore.port import Got, Missing
 from services.objstore.s3 import S3Store
 from tests.helpers.cgtest import Reaper, alive, as_agent, box_tree, forker, python_env, read_pid, wait_for

@@ -16,11 +16,10 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events import Actor
 from events.claim import Admission, Claim, Holder, Op, Predecessor
-from hostmove.ports import WallClock
 from hostmove.stackinfo import StackInfo
-from services.box.activator import Started, StartFailed, remove_box_data
-from services.box.archive import UnsupportedEntry
-from services.box.filesmanifest import (
+from kernel.ports import WallClock
+from services.box.artifacts.archive import UnsupportedEntry
+from services.box.artifacts.filesmanifest import (
     Binding,
     FilesEntry,
     FilesManifestConflict,
@@ -37,7 +36,7 @@ from services.box.filesmanifest import (
     read_manifest,
     restore_files,
 )
-from services.box.markers import (
+from services.box.artifacts.markers import (
     FilesGen,
     Refused,
     RestoreCold,
@@ -46,8 +45,9 @@ from services.box.markers import (
     start_check,
     write_files_gen,
 )
-from services.box.registry import RouteRow
-from services.box.sealing import generate_private_key
+from services.box.artifacts.sealing import generate_private_key
+from services.box.instance.activator import Started, StartFailed, remove_box_data
+from services.box.instance.registry import RouteRow
 from services.ledger import Ledger
 from services.ledger.ledger import Crash
 from services.objstore.port import Got

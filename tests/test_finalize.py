@@ -16,12 +16,12 @@ from events import Actor, Claim
 from events.base import canonical
 from events.claim import Holder, Op, Scope
 from events.record import LastMove, Move, MoveSource, Record
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
-from services.box.guard import host_guard
-from services.box.registry import Registry, RouteRow
-from services.box.stamps import StampBook, StampRecord
-from services.box.timers import Timers, TimerSpec
+from kernel.ports import ManualClock
+from services.box.instance.guard import host_guard
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook, StampRecord
+from services.box.instance.timers import Timers, TimerSpec
 from services.ledger import Committed, Ledger, NoChange
 from services.ledger.ledger import Crash
 from services.move.finalize import Finalizer, LocalRetirement, decide_close

@@ -13,9 +13,9 @@ from bus.subjects import FACTS_STREAM, alert_subject
 from events import Actor, Claim
 from events.claim import Holder, Obligation, Op
 from events.record import LastMove, Move, MoveSource, Record, Rollback
-from hostmove import rules
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
+from kernel import rules
+from kernel.ports import ManualClock
 from services.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.objstore.s3 import S3Store
@@ -168,7 +168,7 @@ async def test_recovery_finishes_a_door_request_that_crashed_between_claim_and_r
 ) -> None:
     from pathlib import Path
 
-    from hostmove.ports import SystemRandom
+    from kernel.ports import SystemRandom
     from services.box.roster import init_box
     from services.door.api import Door
     from services.door.auth import Identity

@@ -22,8 +22,8 @@ from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Claim, DurableValueError, Op, Record, Transition
 from events.base import canonical, decode
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock
 from services.ledger import Committed, Conflict, Crash, Ledger, LedgerDefect, NoChange, Refusal, object_key
 from services.ledger.audit import run_audit
 from services.objstore.memory import MemoryStore

@@ -27,11 +27,11 @@ from aiohttp.test_utils import TestServer
 from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Record
+from events.copy import say
 from events.record import LastMove, Rollback
 from hostmove import move_cli
-from hostmove.copy import say
-from hostmove.ports import ManualClock, SystemRandom, WallClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock, SystemRandom, WallClock
 from services.box.roster import init_box
 from services.door.api import Door, make_app
 from services.door.auth import Identity, TokenSet
@@ -470,7 +470,7 @@ async def test_the_cli_follows_a_real_move_of_a_running_instance_to_done(
     e2e: Stack, unique: Callable[[str], str], tmp_path: Path
 ) -> None:
     """A moveprobe instance serving on ie-1 with acknowledged writes: the CLI requests the move through a real
-    door and follows it while the boxes' workers (services/move/e2e.py) carry it to its close."""
+    door and follows it while the boxes' workers (tests/helpers/e2e.py) carry it to its close."""
     async with rig(e2e, unique, tmp_path) as r:
         server = TestServer(make_app(r.deployment.door, TokenSet.of(operators={"alice": OPERATOR})),
                             host="127.0.0.1")

@@ -21,33 +21,33 @@ from bus.log import EventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor
 from events.base import decode
+from events.copy import say
 from events.envelope import Transition
 from events.ids import new_incarnation
-from hostmove.copy import say
-from hostmove.ports import SystemRandom, WallClock
 from hostmove.probe_apps import ProbeApps, post_write
 from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
-from services.box.activator import Activator, AppSpec, BoxContext, Started
-from services.box.proctree import CgroupTree
-from services.box.registry import Registry, RouteRow
+from services.box.artifacts.sealing import load_private_key, secrets_key_fp
+from services.box.instance.activator import Activator, AppSpec, BoxContext, Started
+from services.box.instance.proctree import CgroupTree
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import Timers
 from services.box.roster import init_box
-from services.box.sealing import load_private_key, secrets_key_fp
-from services.box.stamps import StampBook
-from services.box.timers import Timers
 from services.door.api import Door
 from services.door.auth import Identity
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.ledger.audit import run_audit
-from services.move.e2e import FAST, Deployment, MoveOutcome, MoveRun, SourceSide, TargetSide, Timings, run_move
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.probe import FAST as PROBE_FAST
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, TargetBox, read_seal
 from tests.helpers.cgtest import as_agent, box_tree
+from tests.helpers.e2e import FAST, Deployment, MoveOutcome, MoveRun, SourceSide, TargetSide, Timings, run_move
 from tests.helpers.stores import Regions, regions
 
 SRC, TGT = "ie-1", "uk-1"

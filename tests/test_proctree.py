@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.box.proctree import (
+from services.box.instance.proctree import (
     AGENT_LEAF,
     CgroupTree,
     SpawnJournal,

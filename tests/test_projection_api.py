@@ -18,7 +18,7 @@ from yarl import URL
 
 from bus.memory_log import MemoryEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
-from hostmove.ports import SeededRandom, WallClock
+from kernel.ports import SeededRandom, WallClock
 from projections.api import make_app, serve
 from projections.openapi import document
 from projections.runner import Projector

@@ -18,8 +18,8 @@ import pytest
 from bus.memory_log import MemoryEventLog
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import canonical
-from hostmove.ports import ManualClock, SeededRandom, WallClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock, SeededRandom, WallClock
 from projections.fold import as_json, step
 from projections.runner import Projector
 from projections.sample import Feeder, claim_state, record_state, transition

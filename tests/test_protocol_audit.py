@@ -25,18 +25,18 @@ from events.base import decode
 from events.claim import Claim, Obligation, Op
 from events.envelope import Transition
 from events.record import FilesDigest, LastMove, MoveInputs, Record
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock
 from services.box.roster import Roster, RosterBox
 from services.door import decide as door
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger, NoChange, Refusal
 from services.ledger.protocol import ProtocolCheck, ProtocolFinding
 from services.move import finalize, follow
-from services.move.e2e import run_move
 from services.objstore.s3 import S3Store
 from services.source import phases as src
 from services.target import phases as tgt
+from tests.helpers.e2e import run_move
 from tests.test_move_e2e import Stack, buckets, rig  # noqa: F401 (the e2e rig's module fixture, reused here)
 
 SRC, TGT = "ie-1", "uk-1"
@@ -353,7 +353,7 @@ async def test_a_rollback_through_restoring_audits_clean(env: Env) -> None:
 async def test_the_real_end_to_end_move_audits_clean(
     buckets: Stack, unique: Callable[[str], str], tmp_path: Any  # noqa: F811
 ) -> None:
-    """The real move of ``services/move/e2e.py`` (a moveprobe process in a cgroup leaf, real SQLite replicated
+    """The real move of ``tests/helpers/e2e.py`` (a moveprobe process in a cgroup leaf, real SQLite replicated
     into SeaweedFS, door to close) leaves a history with no protocol finding."""
     async with rig(buckets, unique, tmp_path) as r:
         outcome = await run_move(r.host, to="uk", deployment=r.deployment, source=r.source, target=r.target)

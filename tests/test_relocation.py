@@ -22,10 +22,10 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events.claim import Claim, Holder, Op
 from events.ids import new_incarnation
-from hostmove.ports import SystemRandom
 from hostmove.probe_apps import post_write
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
 from services.box.fence import FenceRef, read_fence

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostmove.ports import ManualClock
+from kernel.ports import ManualClock
 from services.box.replica.layout import FileRef, GenerationScope, GenerationViolation, list_generation
 from services.box.replica.planner import (
     GAP,

@@ -20,8 +20,8 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from hostmove.ports import ManualClock
 from hostmove.stackinfo import StackInfo
+from kernel.ports import ManualClock
 from services.box.replica import ltx
 from services.box.replica.install import InstallError, build_generation, ensure_anchor, read_install
 from services.box.replica.layout import FileRef, GenerationScope, list_generation

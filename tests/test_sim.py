@@ -29,10 +29,10 @@ from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
 from events.base import canonical
 from events.claim import Admission, Claim, Holder, Op
 from events.envelope import Actor, EventMeta, Transition
-from hostmove import rules
-from hostmove.ports import WallClock
 from hostmove.stackinfo import StackInfo
-from services.box.markers import GenerationMarker
+from kernel import rules
+from kernel.ports import WallClock
+from services.box.artifacts.markers import GenerationMarker
 from services.ledger.ledger import META_SHA
 from services.objstore.port import AccessDenied, Got, Lost, Missing, ObjectStore, StoreUnavailable, Won
 from services.objstore.s3 import S3Store
@@ -896,7 +896,7 @@ def test_the_move_world_is_deterministic_and_refuses_nothing() -> None:
 
 
 def test_blocking_runs_inline_only_inside_the_simulation() -> None:
-    from hostmove import ports
+    from kernel import ports
 
     async def where() -> tuple[bool, int]:
         return ports.blocking_inline(), await ports.blocking(threading.get_ident)

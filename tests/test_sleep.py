@@ -1,5 +1,5 @@
 """Sleeping hosts on the real stack (issue 5 item 4 "hosts created, woken, writing, sleeping";
-:mod:`services.box.sleep`): ``hostmove serve box`` processes with ``HOSTMOVE_IDLE_S`` set, moveprobe instances.
+:mod:`services.box.instance.sleep`): ``hostmove serve box`` processes with ``HOSTMOVE_IDLE_S`` set, moveprobe instances.
 
 An idle instance is stopped cleanly (a clean-close certificate), its box's edge table forgets it, the claim does not
 change, and a restarted agent leaves it asleep; a router's request (``hostmove box wake``) wakes it with every
@@ -23,15 +23,15 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events.claim import Claim
 from events.ids import new_incarnation
-from hostmove.ports import SystemRandom
 from hostmove.probe_apps import post_write
 from hostmove.procs import service_env
 from hostmove.rehearsal import timers_once
 from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import FAST_AGENT, PRODUCTION_AGENT, idle_override, read_endpoint
-from services.box.activator import certificate_key
-from services.box.sleep import Activity, SleepMarks, idle_left
+from services.box.instance.activator import certificate_key
+from services.box.instance.sleep import Activity, SleepMarks, idle_left
 from services.hosts.create import create_host
 from services.ledger import Committed
 from services.objstore.port import Got

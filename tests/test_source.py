@@ -21,21 +21,21 @@ from events.base import canonical, decode
 from events.claim import Claim, Holder, Op
 from events.ids import new_incarnation, new_op_id
 from events.record import FilesDigest, Move, MoveInputs, MoveSource, Record
-from hostmove import rules
-from hostmove.ports import Clock, ManualClock, SeededRandom, SystemRandom, WallClock
 from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
+from kernel import rules
+from kernel.ports import Clock, ManualClock, SeededRandom, SystemRandom, WallClock
 from moveprobe.config import probe_env
-from services.box.activator import Activator, AppSpec, BoxContext, Certificate, Started, certificate_key
-from services.box.evidence import LeaseObservation, StopEvidence, lease_file_check
-from services.box.proctree import CgroupTree, SpawnJournal
-from services.box.registry import Registry, RouteRow
+from services.box.artifacts.sealing import generate_private_key
+from services.box.instance.activator import Activator, AppSpec, BoxContext, Certificate, Started, certificate_key
+from services.box.instance.evidence import LeaseObservation, StopEvidence, lease_file_check
+from services.box.instance.proctree import CgroupTree, SpawnJournal
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import Timers, TimerSpec
 from services.box.replica.layout import GenerationScope
 from services.box.replica.replicator import Replicator
 from services.box.replica.restore import restore_generation
-from services.box.sealing import generate_private_key
-from services.box.stamps import StampBook
-from services.box.timers import Timers, TimerSpec
 from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
 from services.move.follow import claim_half

@@ -15,9 +15,9 @@ from events.base import decode
 from events.claim import Claim, Holder, Op
 from events.ids import new_incarnation, new_op_id
 from events.record import Move, MoveSource, Record
-from hostmove import rules
-from hostmove.ports import ManualClock, SeededRandom
 from hostmove.stackinfo import StackInfo
+from kernel import rules
+from kernel.ports import ManualClock, SeededRandom
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import claim_half, host_segment, staging_evidence_at, staging_lane, staging_scope_location
 from services.move.park import location_prefix

@@ -20,16 +20,16 @@ import pytest_asyncio
 from events import Actor
 from events.base import decode
 from events.claim import Claim, Holder, Op, Touched
+from events.copy import say
 from events.ids import new_incarnation, new_op_id
 from events.record import Move, MoveInputs, Record
-from hostmove.copy import say
-from hostmove.ports import ManualClock, SeededRandom, SystemRandom, WallClock
 from hostmove.stackinfo import StackInfo
-from services.box.archive import extract
-from services.box.proctree import CgroupTree
+from kernel.ports import ManualClock, SeededRandom, SystemRandom, WallClock
+from services.box.artifacts.archive import extract
+from services.box.artifacts.sealing import generate_private_key
+from services.box.instance.proctree import CgroupTree
 from services.box.replica.layout import GenerationScope
 from services.box.replica.replicator import Replicator
-from services.box.sealing import generate_private_key
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
 from services.objstore.port import Got, ObjectStore
 from services.source import report as lr

@@ -24,21 +24,21 @@ from bus.nats_log import NatsEventLog
 from events import Actor, Claim
 from events.claim import Holder, Op, Touched
 from events.record import Move, MoveSource, Record, Rollback
-from hostmove import rules
-from hostmove.ports import ManualClock, SystemRandom, WallClock
 from hostmove.probe_apps import ProbeApps, free_port
 from hostmove.stackinfo import StackInfo
+from kernel import rules
+from kernel.ports import ManualClock, SystemRandom, WallClock
 from moveprobe.config import probe_env
-from services.box.archive import build_archive, manifest_bytes
-from services.box.markers import read_files_gen, read_generation_marker, read_local_gen
-from services.box.proctree import CgroupTree, SpawnJournal, current_cgroup_dir
-from services.box.registry import Registry
+from services.box.artifacts.archive import build_archive, manifest_bytes
+from services.box.artifacts.markers import read_files_gen, read_generation_marker, read_local_gen
+from services.box.artifacts.sealing import generate_private_key, secrets_key_fp
+from services.box.instance.proctree import CgroupTree, SpawnJournal, current_cgroup_dir
+from services.box.instance.registry import Registry
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import TimerRow, Timers, TimerSpec
 from services.box.replica.install import read_install
 from services.box.replica.replicator import Replicator
 from services.box.replica.restore import restore_generation
-from services.box.sealing import generate_private_key, secrets_key_fp
-from services.box.stamps import StampBook
-from services.box.timers import TimerRow, Timers, TimerSpec
 from services.ledger import Committed, Ledger, NoChange, Refusal
 from services.ledger.ledger import Crash
 from services.objstore.port import Got, Won

@@ -14,7 +14,7 @@ from events import Actor, Claim, DurableValueError, EventMeta, FrozenMap, Holder
 from events.base import canonical, decode
 from events.durable import MAX_DEPTH, MAX_NODES
 from events.ids import is_op_id, new_incarnation, new_op_id
-from hostmove.ports import SeededRandom
+from kernel.ports import SeededRandom
 
 
 def claim(**kw: object) -> Claim:

@@ -19,9 +19,9 @@ from pathlib import Path
 import msgspec
 
 from moveprobe.config import probe_env
-from services.box.activator import AppSpec
-from services.box.sealing import PrivateKey, load_private_key, secrets_key_fp
-from services.box.timers import TimerError, TimerSpec
+from services.box.artifacts.sealing import PrivateKey, load_private_key, secrets_key_fp
+from services.box.instance.activator import AppSpec
+from services.box.instance.timers import TimerError, TimerSpec
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
 from services.target.readiness import BoxFacts

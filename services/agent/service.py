@@ -15,7 +15,7 @@ moves landing on it. It keeps nothing that matters in memory:
   woken through the activator (a cold admission, §5.1 step 9); the route row is minted ``ready`` for it
   (§5.2: reconcile mints ``ready`` only while the claim is serving). A new agent process is a new session: it
   stops any app it finds running first (:meth:`Activator.adopt_running`).
-- **Sleep** (:mod:`services.box.sleep`). With ``idle_s`` set, a serving instance idle that long is stopped
+- **Sleep** (:mod:`services.box.instance.sleep`). With ``idle_s`` set, a serving instance idle that long is stopped
   (the ordinary stop: drained, final sync, certificate) and marked asleep; a sleeping host is woken only on
   demand: a router's request on ``hm.box.<label>.wake`` (:meth:`BoxAgent.demand`), a due timer, or a move
   (S1 probes the source as it runs, §7.3).
@@ -40,9 +40,9 @@ import aiohttp
 from bus.log import EventLog
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
-from hostmove import ports
-from hostmove.fsutil import atomic_write
-from hostmove.ports import Clock, Random
+from kernel import ports
+from kernel.fsutil import atomic_write
+from kernel.ports import Clock, Random
 from services.agent.config import (
     TIMER_PATH,
     BoxConfig,
@@ -52,13 +52,13 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
-from services.box.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
-from services.box.proctree import ProcessTree
-from services.box.registry import Registry, RouteRow
-from services.box.sleep import Activity, SleepMarks, idle_left
-from services.box.stamps import StampBook
-from services.box.timers import TimerError, TimerRunner, Timers, TimersBusy
-from services.box.timers import drain as drain_timers
+from services.box.instance.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
+from services.box.instance.proctree import ProcessTree
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.sleep import Activity, SleepMarks, idle_left
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import TimerError, TimerRunner, Timers, TimersBusy
+from services.box.instance.timers import drain as drain_timers
 from services.door.api import Door
 from services.ledger.ledger import Committed, Ledger, Refusal
 from services.move import park as parking
@@ -310,7 +310,7 @@ class BoxAgent:
         return position if isinstance(position, int) else None
 
     async def _idle(self, host: str, claim: Claim) -> tuple[str, float | None]:
-        """The idle stop of a serving instance of this box (:mod:`services.box.sleep`): ``(what it did, seconds
+        """The idle stop of a serving instance of this box (:mod:`services.box.instance.sleep`): ``(what it did, seconds
         until it looks again)``."""
         idle_s = self.timing.idle_s
         if idle_s is None:

@@ -30,8 +30,8 @@ from bus.facts import Fact, publish_alert
 from bus.log import EventLog
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.envelope import Actor
-from hostmove.ports import Clock
-from services.box.proctree import CgroupTree
+from kernel.ports import Clock
+from services.box.instance.proctree import CgroupTree
 from services.box.roster import Roster, RosterRefusal, read_roster, update_roster
 from services.objstore.port import Got, ObjectStore
 

@@ -23,9 +23,9 @@ from bus.facts import Fact, publish_fact
 from bus.log import EventLog
 from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
 from events.envelope import Actor
-from hostmove.fsutil import atomic_write
-from hostmove.ports import Clock
-from services.box.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
+from kernel.fsutil import atomic_write
+from kernel.ports import Clock
+from services.box.artifacts.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
 from services.objstore.port import Got, Lost, ObjectStore
 
 ROSTER_KEY = "control/roster.json"

@@ -38,12 +38,11 @@ from aiohttp import web
 from bus.log import LogError
 from events.base import decode
 from events.claim import Claim
+from events.copy import say
 from events.durable import DurableValueError
 from events.ids import new_incarnation, new_op_id
 from events.record import Record
-from hostmove.copy import say
-from hostmove.ports import Clock, Random
-from hostmove.runtime import Runtime
+from kernel.ports import Clock, Random
 from services.box.roster import Roster, read_roster
 from services.door.auth import Identity, TokenSet
 from services.door.decide import (
@@ -444,11 +443,9 @@ def make_app(door: Door, tokens: TokenSet) -> web.Application:
 
 
 async def serve_door(
-    runtime: Runtime, port: int, *, tokens: TokenSet, host: str = "127.0.0.1"
+    door: Door, port: int, *, tokens: TokenSet, host: str = "127.0.0.1"
 ) -> web.AppRunner:
-    """Start the door on ``host:port`` over ``runtime``'s ledger, clock and randomness;
-    ``await runner.cleanup()`` stops it."""
-    door = Door(runtime.ledger, clock=runtime.clock, rng=runtime.rng)
+    """Start ``door`` on ``host:port``; ``await runner.cleanup()`` stops it."""
     runner = web.AppRunner(make_app(door, tokens))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -21,8 +21,8 @@ import msgspec
 
 from events.base import Durable, canonical
 from events.claim import Claim, Op
+from events.copy import say
 from events.record import Move, Record
-from hostmove.copy import say
 from services.box.roster import MOVES_PROTOCOL, Roster, RosterBox
 from services.ledger.ledger import NoChange, Refusal
 

@@ -37,8 +37,8 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import MAX_CAUSATION_CHARS, MAX_NAME_CHARS, Actor, EventMeta, ObjectKind, Transition
 from events.record import Record
-from hostmove import rules
-from hostmove.ports import Clock
+from kernel import rules
+from kernel.ports import Clock
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")

@@ -37,12 +37,12 @@ from bus.facts import Fact, publish_fact
 from bus.log import EventLog, LogError
 from events.claim import Claim, Obligation
 from events.record import LastMove, Record
-from hostmove import rules
-from hostmove.ports import Clock
-from services.box.guard import ReadClaim, host_guard
-from services.box.registry import Registry
-from services.box.stamps import ParkedArtifact, StampBook
-from services.box.timers import Timers
+from kernel import rules
+from kernel.ports import Clock
+from services.box.instance.guard import ReadClaim, host_guard
+from services.box.instance.registry import Registry
+from services.box.instance.stamps import ParkedArtifact, StampBook
+from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.move.guards import live_move, step_allowed

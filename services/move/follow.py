@@ -25,7 +25,7 @@ import msgspec
 
 from events.claim import Claim, Obligation, Op, Scope
 from events.record import Record
-from hostmove import rules
+from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 
 rules.register(
@@ -46,7 +46,7 @@ MOVE_KINDS = frozenset({"moving", "landing", "reverting", "restoring"})
 
 def host_segment(host: str) -> str:
     """The host as one percent-encoded key segment, as the ledger's, the evidence's and the reports' keys write it
-    (``services/ledger/ledger.py``, ``services/box/evidence.py evidence_key``)."""
+    (``services/ledger/ledger.py``, ``services/box/instance/evidence.py evidence_key``)."""
     return quote(host, safe=".-_~@+")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Collection
 
 from events.claim import Claim
 from events.record import Move, Record
-from hostmove import rules
+from kernel import rules
 
 rules.register(
     "k5-revalidate",

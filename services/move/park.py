@@ -34,9 +34,9 @@ import msgspec
 
 from events.base import canonical
 from events.claim import Scope
-from hostmove import rules
-from hostmove.ports import Clock
-from hostmove.timetext import utc_text
+from kernel import rules
+from kernel.ports import Clock
+from kernel.timetext import utc_text
 from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
 
 log = logging.getLogger("hostmove.park")

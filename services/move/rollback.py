@@ -38,7 +38,7 @@ import msgspec
 
 from events.claim import Claim, Obligation, Scope
 from events.record import Move, Record, Rollback
-from hostmove import rules
+from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import staging_scope_location
 from services.move.guards import step_allowed

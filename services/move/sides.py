@@ -7,7 +7,7 @@ opens (§7.6-§7.9 steps 1-2) and parks the staging lane (§7.9 step 4). Either 
 obligations are acknowledged (§7.9 step 5).
 
 Neither keeps state between steps: :func:`stage_of` reads where the move stands from the fresh record and claim,
-and every runner re-reads again before it writes. ``services/move/e2e.py`` composes the two sides in one loop (the
+and every runner re-reads again before it writes. ``tests/helpers/e2e.py`` composes the two sides in one loop (the
 tests and the demo); ``services/agent`` runs one side per box process, on events.
 """
 
@@ -23,10 +23,10 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from bus.log import EventLog
 from events.claim import Claim
 from events.record import Record
-from services.box.activator import Activator, BoxContext
-from services.box.evidence import LeaseObservation, lease_file_check
-from services.box.sealing import PrivateKey
-from services.box.timers import Timers
+from services.box.artifacts.sealing import PrivateKey
+from services.box.instance.activator import Activator, BoxContext
+from services.box.instance.evidence import LeaseObservation, lease_file_check
+from services.box.instance.timers import Timers
 from services.door.api import Door
 from services.move import park as parking
 from services.move.finalize import Finalizer, LocalRetirement, StepReport

@@ -32,9 +32,9 @@ from typing import Final
 import msgspec
 
 from events.base import Durable, Ident, Millis, canonical, decode
-from hostmove import rules
-from hostmove.ports import Clock
-from hostmove.timetext import utc_text
+from kernel import rules
+from kernel.ports import Clock
+from kernel.timetext import utc_text
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import host_segment
 from services.objstore.port import Got, Lost, ObjectStore

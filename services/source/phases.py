@@ -30,7 +30,7 @@ import msgspec
 
 from events.claim import Claim
 from events.record import FilesDigest, Move, MoveInputs, Record
-from hostmove import rules
+from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import step_allowed
 

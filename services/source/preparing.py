@@ -42,12 +42,12 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 
 from events.claim import Claim
+from events.copy import say
 from events.record import MoveInputs, Record
-from hostmove.copy import say
-from hostmove.ports import Clock, Random, SystemRandom, blocking, http_status, process_nonce
-from services.box.archive import ArchiveError, build_archive, manifest_bytes, plain_digest
+from kernel.ports import Clock, Random, SystemRandom, blocking, http_status, process_nonce
+from services.box.artifacts.archive import ArchiveError, build_archive, manifest_bytes, plain_digest
+from services.box.artifacts.sealing import PrivateKey
 from services.box.replica.layout import GenerationScope
-from services.box.sealing import PrivateKey
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.guards import step_allowed
 from services.objstore.port import Got, ObjectStore, StoreError

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from events.base import Durable, Ident, Millis, canonical, decode
-from services.box.sealing import PrivateKey
+from services.box.artifacts.sealing import PrivateKey
 from services.objstore.port import Got, ObjectStore
 
 REPORT_VERSION: Final = 1

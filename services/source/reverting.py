@@ -17,11 +17,11 @@ from pathlib import Path
 
 from events.claim import Claim
 from events.record import Record
-from hostmove.ports import blocking
-from services.box.activator import Activator, Started
-from services.box.archive import plain_digest
-from services.box.registry import Registry
-from services.box.timers import Timers
+from kernel.ports import blocking
+from services.box.artifacts.archive import plain_digest
+from services.box.instance.activator import Activator, Started
+from services.box.instance.registry import Registry
+from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.finalize import Finalizer, StepReport
 from services.move.follow import claim_half

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.box.activator import Activator, Started
-from services.box.registry import Registry
-from services.box.timers import Timers
+from services.box.instance.activator import Activator, Started
+from services.box.instance.registry import Registry
+from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move import rollback
 from services.move.finalize import Finalizer

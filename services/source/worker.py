@@ -28,10 +28,10 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from events.base import decode
 from events.claim import Claim
 from events.record import FilesDigest, Record
-from hostmove.ports import Clock, Random, SystemRandom, blocking, process_nonce
-from services.box.activator import Certificate, certificate_key
-from services.box.archive import ArchiveError, build_archive, decode_manifest, manifest_bytes, plain_digest
-from services.box.evidence import (
+from kernel.ports import Clock, Random, SystemRandom, blocking, process_nonce
+from services.box.artifacts.archive import ArchiveError, build_archive, decode_manifest, manifest_bytes, plain_digest
+from services.box.instance.activator import Certificate, certificate_key
+from services.box.instance.evidence import (
     Checkpoint,
     EvidenceFor,
     EvidenceRefused,
@@ -41,12 +41,12 @@ from services.box.evidence import (
     file_sha256,
     reconstruct_stop_evidence,
 )
-from services.box.proctree import ProcessTree
-from services.box.registry import Registry
+from services.box.instance.proctree import ProcessTree
+from services.box.instance.registry import Registry
+from services.box.instance.timers import Timers, TimersBusy
+from services.box.instance.timers import drain as drain_timers
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
-from services.box.timers import Timers, TimersBusy
-from services.box.timers import drain as drain_timers
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.objstore.port import Got, ObjectStore, StoreError

@@ -29,8 +29,8 @@ from typing import Final
 import msgspec
 
 from events.claim import Claim, Obligation, Scope
-from hostmove import rules
-from hostmove.ports import Clock
+from kernel import rules
+from kernel.ports import Clock
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.park import Acknowledged, Parker, location_prefix
 

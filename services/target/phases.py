@@ -27,7 +27,7 @@ import msgspec
 
 from events.claim import Claim
 from events.record import Move, MoveLanding, Record, Rollback
-from hostmove import rules
+from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import live_move, step_allowed
 

@@ -10,13 +10,13 @@ an app that answers at or after the deadline is stopped and the attempt fails. A
 §7.4) bounds the whole. A probe never marks the host failed: its failure is the landing's rollback.
 
 Every start is the box's **strict spawn** (§5.3 "Every spawn under a move is strict": the target's probe):
-:class:`ProcessApp` starts through :meth:`~services.box.proctree.ProcessTree.spawn_strict` into the host's leaf
+:class:`ProcessApp` starts through :meth:`~services.box.instance.proctree.ProcessTree.spawn_strict` into the host's leaf
 and stops by killing and draining that leaf, so a forked worker that outlives the main process goes too. A
-refused strict spawn (no cgroup v2, a populated leaf) raises :class:`~services.box.proctree.StrictRefused`
+refused strict spawn (no cgroup v2, a populated leaf) raises :class:`~services.box.instance.proctree.StrictRefused`
 from ``start``: the attempt fails at once with the box's reason (``strict_refused``) and no further attempt is
 made, since retrying cannot contain the app.
 
-Time is read only through the :class:`~hostmove.ports.Clock` port; durations come from a
+Time is read only through the :class:`~kernel.ports.Clock` port; durations come from a
 :class:`ProbeTiming` profile (``PRODUCTION`` = the spec's, ``FAST`` for tests and the demo).
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from hostmove.ports import Clock, blocking, http_status
-from services.box.proctree import ProcessTree, Spawned, StrictRefused
+from kernel.ports import Clock, blocking, http_status
+from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.target.budget import MAX_ATTEMPTS
 
 FailReason = Literal[
@@ -66,7 +66,8 @@ class ProbeApp(Protocol):
 
     async def start(self) -> bool:
         """Spawn it; False when the start failed at once (the policy retries). Raises
-        :class:`~services.box.proctree.StrictRefused` when the box refuses the strict spawn (§5.3): nothing ran."""
+        :class:`~services.box.instance.proctree.StrictRefused` when the box refuses the strict spawn (§5.3):
+        nothing ran."""
         ...
 
     async def running(self) -> bool: ...
@@ -227,10 +228,10 @@ class ProcessApp:
 
     ``start`` is the box's own strict spawn (the shim places the process before the app executes, so the app and
     everything it forks run in the leaf from their first instruction); a refusal raises
-    :class:`~services.box.proctree.StrictRefused`. ``stop`` writes ``cgroup.kill`` and waits for ``populated 0``
-    (``KillAndEmpty``), so a forked worker that outlives the main process is gone too; a group that does not drain
-    raises :class:`ProbeStopUnproven`. ``CARLOS_MOVE_PROBE=1`` is set (advisory, §7.7). The app's output goes to
-    ``logs/<host>.probe.out`` and ``.err`` when ``logs`` is given, else nowhere.
+    :class:`~services.box.instance.proctree.StrictRefused`. ``stop`` writes ``cgroup.kill`` and waits for
+    ``populated 0`` (``KillAndEmpty``), so a forked worker that outlives the main process is gone too; a group
+    that does not drain raises :class:`ProbeStopUnproven`. ``CARLOS_MOVE_PROBE=1`` is set (advisory, §7.7). The
+    app's output goes to ``logs/<host>.probe.out`` and ``.err`` when ``logs`` is given, else nowhere.
     """
 
     argv: Sequence[str]

@@ -23,9 +23,9 @@ import msgspec
 from events.base import canonical
 from events.claim import Claim
 from events.record import Record
-from hostmove.ports import Clock, blocking
-from services.box.archive import ArchiveError, extract
-from services.box.sealing import PrivateKey, secrets_key_fp
+from kernel.ports import Clock, blocking
+from services.box.artifacts.archive import ArchiveError, extract
+from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
 from services.ledger.ledger import Ledger
 from services.objstore.port import Got, ObjectStore, StoreError
 from services.target.budget import DEFAULT_WINDOW_S, Budget, Rates, t11

@@ -10,9 +10,9 @@ import logging
 from dataclasses import dataclass
 
 from events.claim import Claim
-from hostmove.ports import blocking
-from services.box.archive import plain_digest
-from services.box.evidence import (
+from kernel.ports import blocking
+from services.box.artifacts.archive import plain_digest
+from services.box.instance.evidence import (
     Checkpoint,
     EvidenceFor,
     EvidenceRefused,

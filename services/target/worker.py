@@ -37,15 +37,12 @@ from events.base import canonical
 from events.claim import Claim
 from events.ids import new_op_id
 from events.record import Move, Record
-from hostmove import rules
-from hostmove.fsutil import atomic_write, fsync_dir
-from hostmove.ports import Clock, Random, blocking
-from services.box.activator import final_sync, purge_local_db
-from services.box.admission import AdmitRequest, decide_admit_writer
-from services.box.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
-from services.box.filesmanifest import Binding, FilesManifestError, publish_manifest
-from services.box.guard import host_guard
-from services.box.markers import (
+from kernel import rules
+from kernel.fsutil import atomic_write, fsync_dir
+from kernel.ports import Clock, Random, blocking
+from services.box.artifacts.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
+from services.box.artifacts.filesmanifest import Binding, FilesManifestError, publish_manifest
+from services.box.artifacts.markers import (
     GenerationMarker,
     publish_generation_marker,
     read_files_gen,
@@ -54,17 +51,20 @@ from services.box.markers import (
     write_files_gen,
     write_local_gen,
 )
-from services.box.proctree import ProcessTree
-from services.box.registry import Registry
+from services.box.artifacts.sealing import PrivateKey
+from services.box.instance.activator import final_sync, purge_local_db
+from services.box.instance.admission import AdmitRequest, decide_admit_writer
+from services.box.instance.guard import host_guard
+from services.box.instance.proctree import ProcessTree
+from services.box.instance.registry import Registry
+from services.box.instance.stamps import Refuse as StampRefuse
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import TimerError, TimerRow, Timers, timers_digest
 from services.box.replica.install import InstallError, build_generation, read_install
 from services.box.replica.layout import FileRef, GenerationScope, list_generation, parse_ltx_name
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import Replicator
 from services.box.replica.restore import RestoreRefused, restore_files, restore_generation
-from services.box.sealing import PrivateKey
-from services.box.stamps import Refuse as StampRefuse
-from services.box.stamps import StampBook
-from services.box.timers import TimerError, TimerRow, Timers, timers_digest
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.objstore.port import Got, Lost, ObjectStore

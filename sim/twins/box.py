@@ -1,14 +1,14 @@
 """A box's process side in the simulation (ARCHITECTURE §7; issue 5 item 2): the process tree, the instances
 and the box-local network, as twins.
 
-- :class:`SimTree` implements :class:`~services.box.proctree.ProcessTree`: one leaf per host, strict spawns
+- :class:`SimTree` implements :class:`~services.box.instance.proctree.ProcessTree`: one leaf per host, strict spawns
   recorded in a spawn journal per boot, ``kill_and_drain`` that empties the leaf at once, ``holders`` that names
   the live instances holding the watched database files. It belongs to the box, not to the agent: an agent crash
   leaves its instances running in their leaves (as cgroups do); a box reboot ends them and starts a new boot.
 - :class:`SimInstance` behaves like ``moveprobe``: it opens the real SQLite file at the instance's database
   path (WAL), commits each write in the ``rows`` table moveprobe uses, and acknowledges only after the commit;
   it answers readiness while it runs. A killed instance commits nothing more.
-- :class:`SimNet` is the :class:`~hostmove.ports.LocalNet` port: ports are handed out in order and a GET (or a
+- :class:`SimNet` is the :class:`~kernel.ports.LocalNet` port: ports are handed out in order and a GET (or a
   timer delivery's POST) reaches the instance listening on the port, without sockets.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from services.box.proctree import (
+from services.box.instance.proctree import (
     Drain,
     Holder,
     HolderScan,
@@ -113,7 +113,7 @@ class SimInstance:
 
 
 class SimNet:
-    """The box-local network port (:class:`hostmove.ports.LocalNet`) for every box of one run."""
+    """The box-local network port (:class:`kernel.ports.LocalNet`) for every box of one run."""
 
     def __init__(self) -> None:
         self._next = 20000
@@ -143,7 +143,7 @@ class SimNet:
 
 @dataclass
 class SimTree:
-    """A box's process tree (:class:`~services.box.proctree.ProcessTree`), durable across agent restarts."""
+    """A box's process tree (:class:`~services.box.instance.proctree.ProcessTree`), durable across agent restarts."""
 
     box: str
     net: SimNet

@@ -15,10 +15,10 @@ from typing import TypeVar
 
 from bus.nats_log import NatsEventLog
 from events import Actor
-from hostmove.ports import WallClock
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
-from services.box.proctree import CgroupTree
+from kernel.ports import WallClock
+from services.box.instance.proctree import CgroupTree
 from services.box.roster import init_box
 from services.ledger import Ledger
 from services.objstore.s3 import S3Store

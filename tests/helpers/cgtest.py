@@ -12,8 +12,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
-from services.box.agentcg import scrub as agent_scrub
-from services.box.proctree import CgroupTree, current_cgroup_dir, find_cgroup2_root
+from services.box.instance.agentcg import scrub as agent_scrub
+from services.box.instance.proctree import CgroupTree, current_cgroup_dir, find_cgroup2_root
 
 FORKER = Path(__file__).with_name("forker.py")
 T = TypeVar("T")
@@ -65,7 +65,7 @@ def forker(*args: str) -> list[str]:
 
 
 def scrub(tree: CgroupTree, home: Path) -> None:
-    """Leave nothing behind (the box agent's own clean-up, :func:`services.box.agentcg.scrub`)."""
+    """Leave nothing behind (the box agent's own clean-up, :func:`services.box.instance.agentcg.scrub`)."""
     agent_scrub(tree, home)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from events.base import Durable, Ident, Millis, canonical, decode
-from hostmove.ports import Clock, blocking
+from kernel.ports import Clock, blocking
 from services.box.replica import ltx
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import PinnedRoot, newest_level0

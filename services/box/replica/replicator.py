@@ -70,7 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hostmove.ports import Clock, blocking
+from kernel.ports import Clock, blocking
 from services.box.replica import ltx, wal
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
 from services.box.replica.planner import Plan, extend_chain, newest_level0, plan_restore, replication_position
@@ -604,14 +604,6 @@ class Replicator:
         conn = self._readers[index]
         conn.execute("BEGIN")
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
-
-    def abandon(self) -> None:
-        """What the death of the process does to this replicator (the simulation's agent crash, which kills no
-        process): its read transactions end, so no read mark of the dead writer pins the WAL against the next
-        stop's ``TRUNCATE``; it is closed for every later call. The connections are left open: closing the last
-        one would checkpoint the WAL into the database, which a killed process never does."""
-        self._closed = True
-        self._end_reads()
 
     def _end_reads(self) -> None:
         for conn in self._readers:

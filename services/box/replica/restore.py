@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostmove.ports import blocking
+from kernel.ports import blocking
 from services.box.replica import ltx
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
 from services.box.replica.planner import NO_ROOT, PinnedRoot, Plan, Refusal, plan_restore

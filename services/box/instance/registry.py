@@ -28,7 +28,7 @@ import sqlite_utils
 
 from events.base import validate_ident
 from events.claim import Claim
-from hostmove.ports import Clock
+from kernel.ports import Clock
 
 HoldStatus: TypeAlias = Literal["moving", "landing", "restoring", "releasing", "relocating"]
 OrdinaryStatus: TypeAlias = Literal["ready", "stopped", "failed"]

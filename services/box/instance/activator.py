@@ -42,12 +42,11 @@ import aiohttp
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.record import Rollback
-from hostmove import rules
-from hostmove.fsutil import atomic_write, fsync_dir
-from hostmove.ports import Clock, Random, blocking, free_port, http_status
-from services.box.admission import AdmitRequest, decide_admit_writer
-from services.box.archive import ArchiveError, UnsupportedEntry
-from services.box.filesmanifest import (
+from kernel import rules
+from kernel.fsutil import atomic_write, fsync_dir
+from kernel.ports import Clock, Random, blocking, free_port, http_status
+from services.box.artifacts.archive import ArchiveError, UnsupportedEntry
+from services.box.artifacts.filesmanifest import (
     Binding,
     FilesManifestError,
     FilesManifestInvalid,
@@ -59,8 +58,7 @@ from services.box.filesmanifest import (
     publish_manifest,
     restore_files,
 )
-from services.box.guard import Guarded, host_guard
-from services.box.markers import (
+from services.box.artifacts.markers import (
     FilesGen,
     GenerationMarker,
     Refused,
@@ -75,13 +73,15 @@ from services.box.markers import (
     write_files_gen,
     write_local_gen,
 )
-from services.box.proctree import ProcessTree, Spawned, StrictRefused
-from services.box.registry import Registry, is_held
+from services.box.instance.admission import AdmitRequest, decide_admit_writer
+from services.box.instance.guard import Guarded, host_guard
+from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
+from services.box.instance.registry import Registry, is_held
+from services.box.instance.stamps import StampBook
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
-from services.box.stamps import StampBook
 from services.ledger.ledger import Committed, Ledger, Refusal
 from services.objstore.port import Got, Lost, ObjectStore
 
@@ -91,13 +91,13 @@ rules.register(
     "clean-close-certificate",
     section="§5.1 step 9 (certificate), D§6; deviation from ruling P7 stated in the module docstring",
     meaning="a predecessor session counts as certified only with a certificate whose max_txid is the remote max",
-    site="services/box/activator.py Activator._certified",
+    site="services/box/instance/activator.py Activator._certified",
 )
 rules.register(
     "start-retry-marks-failed",
     section="§5.1 step 9 retry policy; D§6",
     meaning="a serving wake's fifth failed start marks the route failed",
-    site="services/box/activator.py Activator.wake",
+    site="services/box/instance/activator.py Activator.wake",
 )
 
 
@@ -105,13 +105,13 @@ rules.register(
     "final-checkpoint-after-restart",
     section="§5.3 step 5 (a final checkpoint of the local database into the box's own instances/)",
     meaning="a stop with no replicating process left flushes the local database's committed state first",
-    site="services/box/activator.py Activator.flush_orphan",
+    site="services/box/instance/activator.py Activator.flush_orphan",
 )
 rules.register(
     "source-serves-before-stopping",
     section="§19.1 (moving: the source may spawn while cut_phase is before stopping); §5.3 strict spawns",
     meaning="a moving host is started on its source only while the record's cut has not reached stopping",
-    site="services/box/activator.py Activator._refusal",
+    site="services/box/instance/activator.py Activator._refusal",
 )
 
 WAL_HEADER_BYTES = 32

@@ -37,9 +37,9 @@ from urllib.parse import quote
 
 from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
 from events.ids import is_op_id
-from hostmove import rules
-from hostmove.ports import Clock
-from services.box.proctree import Drain, HolderScan, ProcessTree, SpawnHistory, StrayScan
+from kernel import rules
+from kernel.ports import Clock
+from services.box.instance.proctree import Drain, HolderScan, ProcessTree, SpawnHistory, StrayScan
 from services.objstore.port import Missing, ObjectStore, StoreError, Won
 
 __all__ = [
@@ -77,7 +77,7 @@ rules.register(
     section="§5.3 joint D3 'An absent host cgroup is insufficient where an earlier spawn could escape containment'",
     meaning="an absent host cgroup clears step 1 only when the box's spawn journal shows every spawn of the host in "
     "this boot strict, or none; a non-strict spawn or an unreadable journal refuses evidence with an alert",
-    site="services/box/evidence.py decide, step 1 with an absent group",
+    site="services/box/instance/evidence.py decide, step 1 with an absent group",
 )
 
 

@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from events.base import validate_ident
 from events.claim import Claim
-from hostmove.ports import Clock, WallClock
+from kernel.ports import Clock, WallClock
 
 LOCK_DIR = "locks"
 DEFAULT_TIMEOUT_S = 30.0

@@ -40,8 +40,8 @@ import msgspec
 import sqlite_utils
 
 from events.base import validate_ident
-from hostmove.ports import Clock, http_post_json
-from services.box.registry import HOLD_STATUSES, REGISTRY_FILE, ensure_routes, open_db, transaction
+from kernel.ports import Clock, http_post_json
+from services.box.instance.registry import HOLD_STATUSES, REGISTRY_FILE, ensure_routes, open_db, transaction
 
 log = logging.getLogger("hostmove.box.timers")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from events.claim import Admission, Claim, Predecessor, WriterRef
-from hostmove import rules
+from kernel import rules
 from services.ledger.ledger import Refusal
 
 REFUSED_KINDS = frozenset({"creating", "deleting", "parking", "purging", "placing", "free"})

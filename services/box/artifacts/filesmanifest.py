@@ -21,7 +21,7 @@ only when all of it verified. A missing object, a mismatch or a malformed manife
 reason, and nothing is installed; missing or malformed manifest data is never an empty-files bootstrap.
 
 The regular-file and folder rules are the archive's (§8.1, M-C14): a symlink, device, FIFO or socket
-refuses with its name (:class:`services.box.archive.UnsupportedEntry`). Building and validating the
+refuses with its name (:class:`services.box.artifacts.archive.UnsupportedEntry`). Building and validating the
 manifest is pure; the store I/O goes through the :class:`~services.objstore.port.ObjectStore` port.
 """
 
@@ -40,10 +40,10 @@ from typing import Literal
 import msgspec
 
 from events.claim import Claim
-from hostmove import rules
-from hostmove.fsutil import fsync_dir
-from hostmove.ports import blocking
-from services.box.archive import (
+from kernel import rules
+from kernel.fsutil import fsync_dir
+from kernel.ports import blocking
+from services.box.artifacts.archive import (
     ENV_NAME,
     FILES_ROOT,
     MARKER,
@@ -54,7 +54,7 @@ from services.box.archive import (
     _make_writable,
     _scan,
 )
-from services.box.markers import FilesGen, files_generations, normalize, write_files_gen
+from services.box.artifacts.markers import FilesGen, files_generations, normalize, write_files_gen
 from services.box.replica.layout import GenerationScope
 from services.objstore.port import Got, Lost, ObjectStore
 
@@ -65,14 +65,15 @@ rules.register(
     "files-manifest-verify",
     section="§7.6 'Files reachability', §8.3 (L17)",
     meaning="a files restore installs nothing unless every object has the manifest's size and sha256",
-    site="services/box/filesmanifest.py restore_files",
+    site="services/box/artifacts/filesmanifest.py restore_files",
 )
 rules.register(
     "files-manifest-restore",
     section="§7.6 'a cold admission establishes its files manifest', §5.1 start check rule 2, §8.3 (L17)",
     meaning="a cold admission restores a missing or stale files directory from the newest manifest on the "
             "admitted chain before the app starts; missing manifest data is never an empty-files bootstrap",
-    site="services/box/filesmanifest.py decide_files; services/box/activator.py Activator._files_step",
+    site="services/box/artifacts/filesmanifest.py decide_files; "
+         "services/box/instance/activator.py Activator._files_step",
 )
 
 

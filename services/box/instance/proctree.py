@@ -1,6 +1,6 @@
 """Instances as real OS processes in a cgroup v2 leaf, and the scans stop evidence reads (spec §5.3, §9.3).
 
-The :class:`ProcessTree` port is what the activator and :mod:`services.box.evidence` ask of a box's
+The :class:`ProcessTree` port is what the activator and :mod:`services.box.instance.evidence` ask of a box's
 processes; :class:`CgroupTree` is the real implementation over the cgroup v2 hierarchy.
 
 - **Layout.** ``<cgroup2>/hostmove/<box>/<host>``: one leaf per host, names made safe and reversible by
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Protocol
 
 from bus.subjects import SubjectError, decode_token, encode_token
-from hostmove.fsutil import atomic_write
-from hostmove.ports import Clock, WallClock
+from kernel.fsutil import atomic_write
+from kernel.ports import Clock, WallClock
 
 __all__ = [
     "AGENT_LEAF",

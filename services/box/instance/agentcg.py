@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from services.box.proctree import AGENT_LEAF, CgroupTree, current_cgroup_dir
+from services.box.instance.proctree import AGENT_LEAF, CgroupTree, current_cgroup_dir
 
 
 def _pids(d: Path) -> list[int]:

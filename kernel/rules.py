@@ -37,7 +37,7 @@ class UnknownRule(KeyError):
     """A rule name nobody registered: a typo must never read as a rule that is on."""
 
     def __str__(self) -> str:
-        return f"unknown rule {self.args[0]!r}; the registered rules are listed in hostmove/rules.py"
+        return f"unknown rule {self.args[0]!r}; the registered rules are listed in kernel/rules.py"
 
 
 RULES: dict[str, Rule] = {}
@@ -138,25 +138,25 @@ register(
     "generation-conditional",
     section="§5.1 markers; model 29",
     meaning="generation.json is written If-Match the marker it supersedes, or If-None-Match",
-    site="services/box/markers.py publish_generation_marker",
+    site="services/box/artifacts/markers.py publish_generation_marker",
 )
 register(
     "exec-writer",
     section="§19.2 K1; claim 6.8.1; digest D§6 guards",
     meaning="the admission CAS requires op.exec to name the admitted box",
-    site="services/box/admission.py decide_admit_writer, the op.exec check",
+    site="services/box/instance/admission.py decide_admit_writer, the op.exec check",
 )
 register(
     "admit-observed",
     section="§5.1 step 9; digest D§6 'On conflict'",
     meaning="an admission refuses when the op, phase, kind, session or generation it observed moved",
-    site="services/box/admission.py decide_admit_writer, the observed != actual check",
+    site="services/box/instance/admission.py decide_admit_writer, the observed != actual check",
 )
 register(
     "admission-kinds",
     section="digest D§3.7; INV-13",
     meaning="no writer is admitted while the claim is creating, deleting, parking, purging, placing or free",
-    site="services/box/admission.py decide_admit_writer, the REFUSED_KINDS check",
+    site="services/box/instance/admission.py decide_admit_writer, the REFUSED_KINDS check",
 )
 register(
     "exec-admission",

@@ -11,7 +11,7 @@ while streaming: before each entry is read, the running total plus that entry's 
 checked, so a refusal (M-C15) comes before the bytes past the cap are ever read. Then zstd.
 
 **Sealing (§8.2).** A fresh 256-bit data key, AES-256-GCM over 1 MiB chunks of the compressed stream
-(:mod:`services.box.sealing`), the data key sealed to the deployment's secrets key, bound to the op
+(:mod:`services.box.artifacts.sealing`), the data key sealed to the deployment's secrets key, bound to the op
 id and the incarnation. Encryption is randomized: equal content gives an equal ``plain`` digest and a
 different ``sealed`` one every time.
 
@@ -50,9 +50,9 @@ import zstandard
 
 from events.base import Durable, DurableValueError, Ident, decode
 from events.record import FilesDigest
-from hostmove.fsutil import fsync_dir
-from hostmove.ports import Random, SystemRandom
-from services.box.sealing import (
+from kernel.fsutil import fsync_dir
+from kernel.ports import Random, SystemRandom
+from services.box.artifacts.sealing import (
     DEFAULT_CHUNK_SIZE,
     TAG_BYTES,
     ChunkOpener,

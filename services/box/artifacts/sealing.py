@@ -15,8 +15,8 @@
   + index (8 bytes) + final flag (1 byte)``, so a truncated, reordered, resized or extended stream
   fails authentication. The spec leaves the flag's encoding open (digest §13.8).
 
-Randomness (data keys, ephemeral keys, nonces) comes through the :class:`~hostmove.ports.Random`
-port, so a simulation can seed it; production passes :class:`~hostmove.ports.SystemRandom`.
+Randomness (data keys, ephemeral keys, nonces) comes through the :class:`~kernel.ports.Random`
+port, so a simulation can seed it; production passes :class:`~kernel.ports.SystemRandom`.
 No key material ever appears in an error message.
 """
 
@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from events.base import Durable
-from hostmove.fsutil import atomic_write
-from hostmove.ports import Random, SystemRandom
+from kernel.fsutil import atomic_write
+from kernel.ports import Random, SystemRandom
 
 PrivateKey = ec.EllipticCurvePrivateKey
 PublicKey = ec.EllipticCurvePublicKey

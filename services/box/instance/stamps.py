@@ -36,10 +36,10 @@ import sqlite_utils
 
 from events.base import validate_ident
 from events.claim import Claim
-from hostmove.fsutil import atomic_write, fsync_dir
-from hostmove.ports import Clock
-from services.box.guard import Guarded
-from services.box.registry import open_db, transaction
+from kernel.fsutil import atomic_write, fsync_dir
+from kernel.ports import Clock
+from services.box.instance.guard import Guarded
+from services.box.instance.registry import open_db, transaction
 
 STAMPS_FILE = "stamps.db"
 PARKED_DIR = ".parked"

@@ -18,8 +18,8 @@ from pathlib import Path
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Admission, Claim
 from events.durable import DurableValueError
-from hostmove import rules
-from hostmove.fsutil import atomic_write
+from kernel import rules
+from kernel.fsutil import atomic_write
 from services.objstore.port import Got, Lost, ObjectStore, Won
 
 ORIGIN = ""

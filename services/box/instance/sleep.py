@@ -2,7 +2,7 @@
 "idle stop"; spec §5.2: a ``ready`` route is routable and "the activator wakes the instance on demand").
 
 A serving host of this box whose instance has been idle for ``idle_s`` (no commit reached its replica, no router
-demand, no timer delivery) is stopped the way every stop is (:meth:`services.box.activator.Activator.stop`: the
+demand, no timer delivery) is stopped the way every stop is (:meth:`services.box.instance.activator.Activator.stop`: the
 tree drained, the final sync, a clean-close certificate when everything shipped) and marked **asleep** here. The
 route stays ``ready``; the claim does not change (a sleeping host is still served by this box). The agent wakes a
 sleeping host only on demand: a router's wake request, a due timer, a move (S1 probes the instance as it runs,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from hostmove.fsutil import atomic_write, fsync_dir
+from kernel.fsutil import atomic_write, fsync_dir
 
 ASLEEP_DIR = "asleep"
 
