@@ -342,9 +342,8 @@ class Bench:
                 why = f"{len(missing)} of {rows} acknowledged writes are missing on {self.tbox.label}"
         transitions = await history(self.events, host)
         window = offline_window_s(transitions) if outcome.opened else float("nan")
-        app = self.landing.running.pop(host, None)
-        if app is not None:  # idle the target again so the next run counts only its own requests
-            await app.stop()
+        if host in self.landing.running:  # idle the target again so the next run counts only its own requests
+            await self.landing.running.stop(host)
         settle = self.tbox.probe_timing.settle_s
         return Row(size_mib, size, len(replica), sum(sizes) if replica else 0, put_rate, get_rate, settle, window,
                    outcome.timings, after - before, in1 - in0, out1 - out0,
@@ -464,8 +463,8 @@ async def run(info: StackInfo, tmp: Path) -> int:
                     rows.append(await bench.one(size_mib, ledger))
             finally:
                 await activator.close()
-                for running in list(landing.running.values()):
-                    await running.stop()
+                for host_ in list(landing.running):
+                    await landing.running.stop(host_)
                 for app in apps.apps:
                     await app.stop()
                 for closable in (ctx.registry, ctx.stamps, src_timers, tbox.registry, tbox.stamps, tbox.timers):

@@ -186,12 +186,14 @@ async def last_move_state(events: EventLog, host: str, move_id: str) -> Move | N
 
 
 async def cut_at(events: EventLog, host: str) -> int | None:
-    """When the host's move was cut (the record's ``cut_at``), from its history on the stream."""
+    """When the host's latest move was cut (the record's ``cut_at``), from its history on the stream: a host moved
+    again is checked around its last cut."""
+    latest = None
     async for m in events.replay(LEDGER_STREAM, subject=ledger_subject("record", host)):
         t = decode(m.data, Transition)
         if t.record is not None and t.record.move is not None and t.record.move.cut_at is not None:
-            return t.record.move.cut_at
-    return None
+            latest = t.record.move.cut_at
+    return latest
 
 
 async def checks(*, events: EventLog, store: ObjectStore, host: str, port: int, target_db: Path,

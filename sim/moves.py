@@ -80,7 +80,7 @@ from sim.twins.box import Ack, SimInstance, SimNet, SimTree
 from sim.twins.jetstream import SimEventLog
 from sim.twins.s3 import NOMINAL, Landed, M17Policy, Principal
 from sim.workload import Workload
-from sim.world import DEPLOY, EXPECTED, REGIONS, ActorBase, ConsoleActor, PlanRandom, Slot, World, retry_expected
+from sim.world import DEPLOY, EXPECTED, ActorBase, ConsoleActor, PlanRandom, Slot, World, retry_expected
 
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
@@ -114,11 +114,17 @@ calm phase cannot converge). A pass that waits schedules its wake later; a pass 
 OPERATOR = Identity("op", "operator")
 
 
+MOVE_REGIONS = ("ie", "uk", "us")
+"""The world with moves has three regions, a box each: a move chooses among every region but the one that serves the
+host when it is requested, so a host moves on, and back, as often as its plan says (issue 11 item 2)."""
+MOVES_PER_HOST = (1, 3)
+
+
 @dataclass(frozen=True)
 class MovePlan:
     host: str
-    to: str  # a region
-    at: float
+    nth: int  # the host's nth move (0, 1, ...): requested once the one before it ended
+    at: float  # not before then
     cut: str  # "auto" or "manual"
     cut_at: float  # a manual cut's time
     abort_at: float | None = None  # the operator aborts then (§7.11: legal until the cut is admitted)
@@ -132,18 +138,20 @@ class WritePlan:
 
 def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tuple[MovePlan, ...], tuple[WritePlan,
                                                                                                           ...]]:
-    """Each host moves once to the other region (automatic or manual cut; the operator tries to abort one in five)
-    and takes writes throughout, and up to two late ones in the calm phase, when it has likely fallen asleep (the
-    router's wake, issue 5 item 4)."""
+    """Each host moves one to three times, each move requested once the one before it ended, to a region other than
+    the one serving it then (automatic or manual cut; the operator tries to abort one in five), and takes writes
+    throughout, and up to two late ones in the calm phase, when it has likely fallen asleep (the router's wake, issue 5
+    item 4)."""
     moves = []
     writes = []
     for h in workload.hosts:
         if plan.chance("moves.host_moves", 0.85):
-            to = next(r for r in REGIONS if r != h.region)
-            at = h.at + plan.uniform("moves.request_after", 120, timing.chaos_s / 2)
-            cut = "manual" if plan.chance("moves.manual_cut", 0.3) else "auto"
-            abort_at = at + plan.uniform("moves.abort_after", 1, 900) if plan.chance("moves.abort", 0.2) else None
-            moves.append(MovePlan(h.host, to, at, cut, at + plan.uniform("moves.cut_after", 30, 900), abort_at))
+            at = h.at
+            for nth in range(plan.randint("moves.per_host", *MOVES_PER_HOST)):
+                at += plan.uniform("moves.request_after", 120, timing.chaos_s / 2)
+                cut = "manual" if plan.chance("moves.manual_cut", 0.3) else "auto"
+                abort_at = plan.uniform("moves.abort_after", 1, 900) if plan.chance("moves.abort", 0.2) else None
+                moves.append(MovePlan(h.host, nth, at, cut, plan.uniform("moves.cut_after", 30, 900), abort_at))
         for _ in range(plan.randint("moves.writes", 3, 12)):
             writes.append(WritePlan(h.host, plan.uniform("moves.write_at", h.at, timing.chaos_s + 600)))
         for _ in range(plan.randint("moves.late_writes", 0, 2)):
@@ -275,19 +283,11 @@ class MoveBox(ActorBase):
 
     def kill(self) -> None:
         """Memory lost: the agent's tasks (its passes and its replicators) stop; its instances keep running."""
-        for running in list(self.agent.activator.running.values()):
+        for running in list(self.agent.instances.values()):  # the box's one registry: woken and landed alike
             if running.task is not None:
                 running.task.cancel()
             abandon(running.replicator)
             self.mworld.abandoned.append(running.replicator)
-        for app in list(self.agent.landing.running.values()):
-            task = getattr(app, "task", None)
-            if task is not None:
-                task.cancel()
-            replicator = getattr(app, "replicator", None)
-            if replicator is not None:
-                abandon(replicator)
-                self.mworld.abandoned.append(replicator)
         super().kill()
         for closable in (self.agent.registry, self.agent.stamps, self.agent.timers):
             with contextlib.suppress(Exception):
@@ -302,9 +302,8 @@ class MoveConsole(ConsoleActor):
         self.mworld = world
         self.door = Door(self.ledger, clock=self.clock, rng=PlanRandom(world.plan, "rng.door"))
         self.recovery = RecoveryPass(self.ledger, self.events)
-        self.asked: set[str] = set()
-        self.cut: set[str] = set()
-        self.aborted: set[str] = set()
+        # The operator's memory, not the console's: a console crash loses nothing the operator did.
+        self.asked, self.cut, self.aborted = world.asked, world.cut, world.aborted
 
     async def relay(self) -> None:
         await super().relay()
@@ -317,34 +316,60 @@ class MoveConsole(ConsoleActor):
             self.emit(f"recovery: {line}")
         await self.moves()
 
+    def _startable(self, m: MovePlan) -> str | None:
+        """The region ``m`` goes to, once the host's move before it ended and it serves (chosen among every region
+        but the serving one); None while it may not be requested yet."""
+        if m.nth > 0 and (m.host, m.nth - 1) not in self.asked:
+            return None
+        record, claim = self.mworld.records.get(m.host), self.mworld.checker.claims.get(m.host)
+        if claim is None or claim.op.kind != "serving" or (record is not None and record.move is not None):
+            return None
+        served = serving_region(claim)
+        others = [r for r in MOVE_REGIONS if r != served]
+        return self.mworld.plan.choice("moves.to", others) if served is not None else None
+
     async def moves(self) -> None:
         now = self.world.loop.time()
         for m in self.mworld.moves:
+            key = (m.host, m.nth)
+            record = self.mworld.records.get(m.host)
+            live = record.move.id if record is not None and record.move is not None else None
+            bound = self.mworld.move_of
+            if live is not None and live not in bound.values() and (
+                    key in self.asked or (m.at <= now and (m.nth == 0 or (m.host, m.nth - 1) in self.asked))):
+                if key not in self.asked:  # the door took a request whose answer was lost: the status shows it
+                    self.asked[key] = now
+                    self.emit(f"operator: move {m.nth + 1} of {m.host} was requested after all ({live})")
+                bound[key] = live
             try:
-                if m.at <= now and m.host not in self.asked:
-                    answer = await self.door.request_move(m.host, MoveRequest(m.to, m.cut), OPERATOR)  # type: ignore[arg-type]
-                    self.emit(f"door: move {m.host} to {m.to} ({m.cut}): {answer.status} "
+                if m.at <= now and key not in self.asked:
+                    to = self._startable(m)
+                    if to is None:
+                        continue
+                    answer = await self.door.request_move(m.host, MoveRequest(to, m.cut), OPERATOR)  # type: ignore[arg-type]
+                    self.emit(f"door: move {m.host} to {to} ({m.cut}, move {m.nth + 1}): {answer.status} "
                               f"{answer.body.get('reason', '')}")
                     if answer.status in (200, 201, 409):
-                        self.asked.add(m.host)
+                        self.asked[key] = now
+                if key not in self.asked:
+                    continue
+                asked_at = self.asked[key]
                 shown = self.mworld.records.get(m.host)
                 ready_again = shown is not None and shown.move is not None and shown.move.state == "ready"
                 # The operator cuts when the status says "Ready to cut", again if a cut went back to ready (§7.4: the
                 # admission's checks were stale, T13: the source was down for longer than their freshness window).
-                if m.cut == "manual" and m.cut_at <= now and m.host in self.asked and (
-                        m.host not in self.cut or ready_again):
+                if m.cut == "manual" and asked_at + m.cut_at <= now and (key not in self.cut or ready_again):
                     answer = await self.door.cut(m.host, OPERATOR)
                     self.emit(f"door: cut {m.host}: {answer.status} {answer.body.get('reason', '')}")
                     record = self.mworld.records.get(m.host)
                     if answer.status == 200 or (record is not None and record.move is not None
                                                 and record.move.state not in ("preparing", "ready")):
-                        self.cut.add(m.host)
-                if m.abort_at is not None and m.abort_at <= now and m.host in self.asked \
-                        and m.host not in self.aborted:
+                        self.cut.add(key)
+                if m.abort_at is not None and asked_at + m.abort_at <= now and key not in self.aborted:
                     answer = await self.door.abort(m.host, OPERATOR)
                     self.emit(f"door: abort {m.host}: {answer.status} {answer.body.get('reason', '')}")
                     if answer.status in (200, 409):  # 409: past the cut's admission, or already over
-                        self.aborted.add(m.host)
+                        self.aborted.add(key)
             except (*EXPECTED, Unreadable) as exc:
                 self.emit(f"door request for {m.host} failed: {type(exc).__name__}: {exc}")
 
@@ -399,7 +424,7 @@ class MoveWorld(World):
         self.protocol = ProtocolCheck()
         self._reported = 0
         self.js.observers.append(self._audit)
-        self.s3.policy = M17Policy(DEPLOY, {r: region_bucket(r) for r in REGIONS})
+        self.s3.policy = M17Policy(DEPLOY, {r: region_bucket(r) for r in MOVE_REGIONS})
         self.unprovisioned: set[str] = set()  # boxes whose disk was lost, not provisioned again yet
         self.reboots = 0
         self.net.on_timer = self._timer_delivered
@@ -414,6 +439,12 @@ class MoveWorld(World):
         self.wake_requests = 0
         self.terminations = 0
         self.abandoned: list[Any] = []
+        self.asked: dict[tuple[str, int], float] = {}
+        """The operator's requests, (host, nth move) -> when the door took it; with the cuts and aborts they made."""
+        self.cut: set[tuple[str, int]] = set()
+        self.aborted: set[tuple[str, int]] = set()
+        self.ended: dict[str, str] = {}  # move id -> outcome, every move that ended
+        self.move_of: dict[tuple[str, int], str] = {}  # (host, nth) -> the move id the status showed for it
         """The replicators of dead agents, kept referenced until the run ends: a garbage-collected SQLite connection
         closes, and the last one to close checkpoints the WAL into the database, at a moment the collector picks (it
         depends on what the process ran before). That made a seed's trace depend on the seeds run before it in the
@@ -441,7 +472,7 @@ class MoveWorld(World):
         return hook
 
     async def setup(self) -> None:
-        for bucket in (DEPLOY, *(region_bucket(r) for r in REGIONS)):
+        for bucket in (DEPLOY, *(region_bucket(r) for r in MOVE_REGIONS)):
             await self.s3.create_bucket(bucket)
         clock = self.clock
         events = SimEventLog(self.js, "init")  # set-up happens before the run: nothing fails
@@ -627,6 +658,8 @@ class MoveWorld(World):
             elif w.key.startswith("control/records/"):
                 record = decode(w.body, Record)
                 self.records[record.host] = record
+                if record.last_move is not None:
+                    self.ended[record.last_move.id] = record.last_move.outcome
                 move = record.move
                 if move is not None and move.committed_at is not None and move.cut_deadline is not None \
                         and move.committed_at > move.cut_deadline:
@@ -751,7 +784,7 @@ class MoveWorld(World):
             served = serving_region(claim) if claim is not None else None
             if claim is None or claim.holder is None or claim.op.kind != "serving" or served is None:
                 continue
-            for region in REGIONS:
+            for region in MOVE_REGIONS:
                 prefix = claim.holder.location.rstrip("/") + "/"
                 left = self.s3.current_keys(region_bucket(region), prefix) if region != served else []
                 if left:
@@ -770,10 +803,17 @@ class MoveWorld(World):
             last = record.last_move
             if record.move is not None or last is None:
                 continue
+            claim = self.checker.claims.get(host)
+            serving = claim.op.exec if claim is not None and claim.op.kind == "serving" else None
+            for label in sorted(self.boxes):  # a box the host left keeps no live copy of it (§6.4, §7.9 step 3)
+                db = self.root / "boxes" / label / "data" / f"{host}.db"
+                if serving is not None and label != serving and db.exists():
+                    self.checker.flag("INV-10", f"{label} keeps a live database of {host} after move {last.id} "
+                                                f"closed {last.outcome}; it serves on {serving}")
             prefixes = [staging_prefix(host, last.id)]
             if last.outcome == "aborted":  # §7.11: the source retires its own snapshots
                 prefixes.append(snapshot_prefix(host, last.id))
-            for region in REGIONS:
+            for region in MOVE_REGIONS:
                 for prefix in prefixes:
                     left = await self.admin.list_versions(region_bucket(region), prefix)
                     if left:
@@ -859,8 +899,9 @@ class MoveWorld(World):
             yield
 
     def extra_counters(self) -> dict[str, int]:
-        ended = [r.last_move.outcome for r in self.records.values() if r.last_move is not None]
-        return {"moves_done": ended.count("done"), "moves_aborted": ended.count("aborted"),
+        ended = list(self.ended.values())
+        return {"moves_asked": len(self.asked), "moves_done": ended.count("done"),
+                "moves_aborted": ended.count("aborted"),
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
                 "reboots": self.reboots, "disks_lost": self.disks_lost,
                 "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats,
@@ -879,7 +920,7 @@ def move_world(seed: int, timing: Timing) -> Callable[[asyncio.AbstractEventLoop
 
     def make(loop: asyncio.AbstractEventLoop) -> World:
         plan = FaultPlan(f"moves:{seed}")
-        boxes = {f"{r}-1": r for r in REGIONS}
+        boxes = {f"{r}-1": r for r in MOVE_REGIONS}
         workload = draw_workload(plan, boxes, timing)
         workload = Workload(workload.hosts, (), False, False, False)
         moves, writes = draw_moves(plan, workload, timing)

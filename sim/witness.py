@@ -279,7 +279,7 @@ async def _request_move(world: MoveWorld, to: str, cut: str = "auto", host: str 
     answer = await console.door.request_move(host, MoveRequest(to, cut), Identity("op", "operator"))  # type: ignore[arg-type]
     if answer.status not in (200, 201):
         raise MilestoneMissed(f"the door refused the move: {answer.status} {answer.body}")
-    console.asked.add(host)
+    console.asked[(host, 0)] = world.loop.time()
 
 
 async def _serving_with_writes(world: World, writes: int) -> MoveWorld:

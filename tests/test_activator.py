@@ -370,7 +370,7 @@ async def test_a_stop_cancelled_while_it_waits_for_the_sync_loop_is_cancelled(tm
     with the sync loop's own, and the dead agent's pass loop ran on beside its successor (found by the simulation)."""
     from types import SimpleNamespace
 
-    from services.box.instance.activator import _Running
+    from services.box.instance.instances import Instance, Instances
 
     class Drained:
         async def reopen_and_drain(self, host: str, within_s: float) -> SimpleNamespace:
@@ -384,10 +384,10 @@ async def test_a_stop_cancelled_while_it_waits_for_the_sync_loop_is_cancelled(tm
 
     hang = asyncio.Event()
     loop_task = asyncio.ensure_future(hang.wait())  # a sync loop that has not seen its stop yet
-    ctx = SimpleNamespace(tree=Drained(), label="ie-x")
+    ctx = SimpleNamespace(tree=Drained(), label="ie-x", instances=Instances())
     activator = Activator(ctx, AppSpec(argv=["true"], env=lambda *_: {}))  # type: ignore[arg-type]
-    activator.running["h.example"] = _Running(spawned=None, port=1, session=1, generation="g", location="l",  # type: ignore[arg-type]
-                                              replicator=Replicator(), task=loop_task)  # type: ignore[arg-type]
+    activator.running.enter(Instance("h.example", port=1, session=1, generation="g", location="l",
+                                     replicator=Replicator(), origin="wake", task=loop_task))  # type: ignore[arg-type]
     stopping = asyncio.ensure_future(activator.stop("h.example"))
     for _ in range(5):
         await asyncio.sleep(0)

@@ -366,8 +366,8 @@ async def landing(stack: StackInfo, unique: Callable[[str], str],
                          generate_private_key(), [], [], tree)
             yield w
             for worker in w.workers:
-                for app in worker.running.values():
-                    await app.stop()
+                for host_ in list(worker.running):
+                    await worker.running.stop(host_)
             for app in w.apps:
                 await app.stop()
     finally:

@@ -161,9 +161,8 @@ async def rig(s: Stack, unique: Callable[[str], str], tmp_path: Path) -> AsyncIt
                       deployment, source, TargetSide(landing, facts), ie.box_dir)
         finally:
             await activator.close()
-            for running in list(landing.running.values()):
-                await running.stop()
-            landing.running.clear()
+            for host_ in list(landing.running):
+                await landing.running.stop(host_)
             for process_app in apps.apps:
                 await process_app.stop()
             for closable in (ctx.registry, ctx.stamps, src_timers, tbox.registry, tbox.stamps, tbox.timers):
@@ -211,7 +210,7 @@ async def assert_moved(r: Rig, outcome: MoveOutcome, *, cut_by: str = "move-cut-
     row = r.tbox.registry.get(host)
     assert row is not None and not row.held, "the open left the landing hold"
     app = r.landing.running.get(host)
-    assert app is not None and await app.running() and await app.ready()
+    assert app is not None and app.process is not None and await app.process.running() and await app.process.ready()
     acked = read_acks(r.acks / f"{host}.jsonl")
     assert sorted(a.seq for a in acked if isinstance(a, RowAck)) == sorted(r.seqs)
     assert missing_from_db(r.tbox.db_path(host), acked) == [], "every acknowledged write is on uk-1"

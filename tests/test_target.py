@@ -538,9 +538,8 @@ async def world(world_module: World) -> AsyncIterator[World]:
     replication loop included), so no test's background syncs slow the next."""
     yield world_module
     for worker in world_module.workers:
-        for app in worker.running.values():
-            await app.stop()
-        worker.running.clear()
+        for host_ in list(worker.running):
+            await worker.running.stop(host_)
     world_module.workers.clear()
 
 
@@ -665,8 +664,7 @@ def hashlib_rows(db: Path) -> str:
 
 async def replicated_boots(w: World, worker: LandingWorker, host: str) -> int:
     """Stop the probed writer (final sync), then restore its generation from the bucket and count boots."""
-    app = worker.running.pop(host)
-    await app.stop()
+    await worker.running.stop(host)
     claim = (await w.ledger.read_claim(host)).state
     assert claim is not None and claim.holder is not None
     dest = w.root / f"check-{host}.db"
@@ -720,7 +718,8 @@ async def assert_landed(
     assert landed["once"].completed and landed["once"].last_run_at == 1_500, "a delivered once-timer stays delivered"
     app = worker.running.get(host)
     if running:
-        assert app is not None and await app.running() and await app.ready(), "the probed writer keeps running"
+        assert app is not None and app.process is not None, "the probed writer keeps running"
+        assert await app.process.running() and await app.process.ready(), "the probed writer keeps running"
     else:  # the process that probed died after the commit; the next wake admits a writer (§7.9 step 2, K6)
         assert app is None
 
@@ -770,8 +769,8 @@ async def test_crash_after_each_phase_replays_to_the_same_landing(
     with pytest.raises(Crash):
         await first.run(host)
     assert crash.fired
-    for app in first.running.values():  # the dead process's probe app dies with it
-        await app.stop()
+    for host_ in list(first.running):  # the dead process's probe app dies with it
+        await first.running.stop(host_)
     rec = (await world.ledger.read_record(host)).state
     assert rec is not None and rec.move is not None
     expected = {"building:restored": "building", "open:after_leave_hold": "probed"}.get(point, point.split(":")[1])
@@ -1044,5 +1043,5 @@ async def test_a_rollback_recorded_by_another_actor_wins_over_a_stale_commit(
     rec = (await world.ledger.read_record(host)).state
     assert rec is not None and rec.move is not None
     assert rec.move.state == "rolling_back" and rec.move.committed_at is None
-    for app in worker.running.values():
-        await app.stop()
+    for host_ in list(worker.running):
+        await worker.running.stop(host_)

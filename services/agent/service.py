@@ -53,6 +53,7 @@ from services.agent.config import (
     sample_launch,
 )
 from services.box.instance.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
+from services.box.instance.instances import Instances
 from services.box.instance.proctree import ProcessTree
 from services.box.instance.registry import Registry, RouteRow
 from services.box.instance.sleep import Activity, SleepMarks, idle_left
@@ -173,7 +174,7 @@ class BoxAgent:
             label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_store=store, data_bucket=cfg.data_bucket,
             ledger=ledger, registry=self.registry, stamps=self.stamps, timers=self.timers, clock=clock, rng=rng,
             private_key=key, probe_factory=probe_factory, probe_timing=self.timing.probe,
-            sync_interval_s=self.timing.sync_interval_s, tree=tree), faults=faults)
+            sync_interval_s=self.timing.sync_interval_s, tree=tree, instances=self.ctx.instances), faults=faults)
         deployment = Deployment(door=Door(ledger, clock=clock, rng=rng),
                                 regions=lambda region: (store, region_bucket(region)),
                                 region_key=lambda region: key.public_key(), events=events)
@@ -200,12 +201,17 @@ class BoxAgent:
     def label(self) -> str:
         return self.cfg.label
 
+    @property
+    def instances(self) -> Instances:
+        """The box's one registry of running instances (the activator's and the landing's alike)."""
+        return self.ctx.instances
+
     def _ready_url(self, host: str) -> str | None:
-        running = self.activator.running.get(host)
-        return f"http://127.0.0.1:{running.port}/ready" if running is not None else None
+        running = self.instances.serving(host)
+        return f"{running.url}/ready" if running is not None else None
 
     def running(self, host: str) -> bool:
-        return host in self.activator.running or host in self.landing.running
+        return host in self.instances
 
     def _endpoint(self, host: str) -> tuple[int, int] | None:
         """``(port, session)`` of the instance running here (the landing's probe session opened by the
@@ -215,12 +221,8 @@ class BoxAgent:
         row = self.registry.get(host)
         if row is not None and row.held:
             return None
-        if host in self.activator.running:
-            running = self.activator.running[host]
-            return running.port, running.session
-        app = self.landing.running.get(host)
-        port = getattr(getattr(app, "app", None), "port", None)
-        return (port, -1) if isinstance(port, int) else None
+        running = self.instances.serving(host)
+        return (running.port, running.session) if running is not None else None
 
     def publish_endpoint(self, host: str) -> None:
         """The box's edge table: ``endpoints/<host>.json`` names the local port of a running instance, and is
@@ -303,11 +305,8 @@ class BoxAgent:
 
     def _position(self, host: str) -> int | None:
         """The replica position of the instance running here (what its commits move)."""
-        running = self.activator.running.get(host)
-        rep = running.replicator if running is not None else getattr(self.landing.running.get(host), "replicator",
-                                                                       None)
-        position = getattr(rep, "position", None)
-        return position if isinstance(position, int) else None
+        running = self.instances.get(host)
+        return running.position if running is not None else None
 
     async def _idle(self, host: str, claim: Claim) -> tuple[str, float | None]:
         """The idle stop of a serving instance of this box (:mod:`services.box.instance.sleep`): ``(what it did, seconds
@@ -328,12 +327,7 @@ class BoxAgent:
                 await drain_timers(self.timers.conn, self.clock, host, timeout_s=self.timing.drain_s)
             except TimersBusy as exc:
                 return f"idle, not stopped yet: {exc}", self.timing.retry_s
-            if host in self.activator.running:
-                await self.activator.stop(host)
-            else:
-                app = self.landing.running.pop(host, None)
-                if app is not None:
-                    await app.stop()
+            await self.activator.stop(host)
             self.sleep.mark(host, session=session, at_ms=self.clock.now_ms())
         finally:
             self._stopping.discard(host)
@@ -583,10 +577,7 @@ class BoxAgent:
         """Stop what this agent runs (final syncs first) and close the box's stores."""
         if self._http is not None:
             await self._http.close()
-        await self.activator.close()
-        for app in list(self.landing.running.values()):
-            with contextlib.suppress(Exception):
-                await app.stop()
+        await self.activator.close()  # every instance of the box, a landing's probe included
         for closable in (self.registry, self.stamps, self.timers):
             closable.close()
 

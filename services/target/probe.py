@@ -62,7 +62,10 @@ FAST = ProbeTiming(window_s=6.0, settle_s=0.3, first_backoff_s=0.05, poll_s=0.05
 
 
 class ProbeApp(Protocol):
-    """One admitted instance the probe drives (a real process in production)."""
+    """One admitted instance the probe drives (a real process in production), answering on ``port``."""
+
+    @property
+    def port(self) -> int: ...
 
     async def start(self) -> bool:
         """Spawn it; False when the start failed at once (the policy retries). Raises

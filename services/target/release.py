@@ -93,9 +93,7 @@ class TargetRelease:
         move, rb = got
         if box.registry.get(host) is not None and not box.registry.hold(host, "releasing", rb.id, replaces=move_id):
             return RunnerResult(False, f"the route of {host} is held by another operation; the release waits")
-        app = self.worker.running.pop(host, None)
-        if app is not None:
-            await app.stop()
+        await self.worker.stop_probe(host)
         assert claim.holder is not None
         holder = claim.holder
         db = box.db_path(host)

@@ -52,13 +52,14 @@ from services.box.artifacts.markers import (
     write_local_gen,
 )
 from services.box.artifacts.sealing import PrivateKey
-from services.box.instance.activator import final_sync, purge_local_db
+from services.box.instance.activator import purge_local_db
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
 from services.box.instance.guard import host_guard
+from services.box.instance.instances import AlreadyRunning, Instance, Instances
 from services.box.instance.proctree import ProcessTree
 from services.box.instance.registry import Registry
 from services.box.instance.stamps import Refuse as StampRefuse
-from services.box.instance.stamps import StampBook
+from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.instance.timers import TimerError, TimerRow, Timers, timers_digest
 from services.box.replica.install import InstallError, build_generation, read_install
 from services.box.replica.layout import FileRef, GenerationScope, list_generation, parse_ltx_name
@@ -147,14 +148,19 @@ Configure = Callable[[Move], Awaitable[str | None]]
 
 
 @dataclass
-class ReplicatedApp:
-    """A probe attempt's app with its writer session's replication (§7.14: replication opens after the
-    admission's ``generation.json``). ``stop`` stops the app, then runs the final sync and closes."""
+class ProbeInstance:
+    """A probe attempt's app, entered in the box's registry of instances (:mod:`services.box.instance.instances`)
+    with its writer session's replication from the moment the attempt is admitted (§7.14: replication opens after
+    the admission's ``generation.json``). ``stop`` is the registry's: the app's tree is killed and drained, then
+    the final sync runs and the instance leaves the registry."""
 
+    instances: Instances
+    instance: Instance
     app: ProbeApp
-    replicator: Replicator
-    stop_event: asyncio.Event
-    task: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        return self.instance.port
 
     async def start(self) -> bool:
         return await self.app.start()
@@ -166,15 +172,14 @@ class ReplicatedApp:
         return await self.app.ready()
 
     async def stop(self) -> None:
-        await self.app.stop()
-        if self.task.done():
+        if self.instances.get(self.instance.host) is not self.instance:
+            await self.app.stop()  # handed over or stopped already: only make sure the app's tree is gone
             return
-        self.stop_event.set()
-        await self.task
         try:
-            await final_sync(self.replicator)  # after the tree is gone
+            await self.instances.stop(self.instance.host)
         except Exception as exc:  # logged: the marker it left makes the next stop or wake flush what did not ship
-            log.warning("final sync of the probe's session failed: %s", exc)
+            log.warning("final sync of the probe's session failed: %s", exc,
+                        extra={"host": self.instance.host, "reason": str(exc)})
 
 
 @dataclass
@@ -198,6 +203,8 @@ class TargetBox:
     configure: Configure | None = None
     sync_interval_s: float = 1.0
     tree: ProcessTree | None = None  # the box's process tree: a restarted landing drains what a dead one left
+    instances: Instances = field(default_factory=Instances)
+    """The box's one registry of running instances (the agent passes the activator's)."""
 
     @property
     def data_dir(self) -> Path:
@@ -228,8 +235,21 @@ class Step:
 @dataclass
 class LandingWorker:
     box: TargetBox
-    running: dict[str, ProbeApp] = field(default_factory=dict)
     faults: Callable[[str], None] | None = None
+
+    @property
+    def running(self) -> Instances:
+        """The box's instances (one registry: the landing enters its probe there and hands it over at the open)."""
+        return self.box.instances
+
+    async def stop_probe(self, host: str) -> None:
+        """Stop a landing's probe of ``host`` (before the open); an instance the open handed over is not a probe."""
+        instance = self.running.get(host)
+        if instance is not None and instance.origin == "probe":
+            try:
+                await self.running.stop(host)
+            except Exception as exc:  # logged: the marker it left makes the next stop or wake flush what did not ship
+                log.warning("final sync of the probe's session failed: %s", exc, extra={"host": host})
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -302,9 +322,7 @@ class LandingWorker:
             log.warning("claim of %s does not follow its record: %s", host, out.reason)
 
     async def _rollback(self, host: str, expect: Expect, reason: str) -> Step:
-        app = self.running.pop(host, None)
-        if app is not None:
-            await app.stop()
+        await self.stop_probe(host)
         rb_id = new_op_id("rb", self.box.rng)
         now = self.box.clock.now_ms()
         out = await self.box.ledger.transition(
@@ -335,6 +353,7 @@ class LandingWorker:
 
     async def _open(self, host: str, claim: Claim, record: Record, move: Move, expect: Expect) -> Step:
         if move.opened_at is not None:
+            self.running.hand_over(host)
             return Step(host, "done", "probed", "the target is open")
         if claim.op.id == move.id and claim.op.phase != "committed":
             await self._follow(host, record)
@@ -348,6 +367,7 @@ class LandingWorker:
         row = self.box.registry.get(host)
         if not self.box.registry.leave_hold(host, move.id) and (row is None or row.hold_op not in ("", move.id)):
             return Step(host, "blocked", "probed", "the route is held by another operation; the target is not opened")
+        self.running.hand_over(host)  # the probe is the box's instance now, like one a wake started (§7.9)
         self._fault("open:after_leave_hold")
         now = self.box.clock.now_ms()
         out = await self.box.ledger.transition("record", host, "opened",
@@ -589,9 +609,7 @@ class LandingWorker:
     async def _probing(self, host: str, move: Move) -> None:
         """§7.7: at most min(3, T11) attempts, bounded by the commit's deadline. Only the probe reruns
         after a crash (INV-7). Each attempt is a cold admission (§7.14) made by :meth:`_admit`."""
-        old = self.running.pop(host, None)
-        if old is not None:
-            await old.stop()
+        await self.stop_probe(host)
         if self.box.tree is not None:  # a probe left running by a dead agent: kill and drain it first (§5.3)
             drain = await self.box.tree.reopen_and_drain(host, within_s=10.0)
             if not drain.drained:
@@ -609,7 +627,6 @@ class LandingWorker:
                                       else None)
         if not result.ok or app is None:
             raise LandingFailure(result.describe())
-        self.running[host] = app
 
     async def _admit(self, host: str, move: Move) -> str:
         """One probe attempt's ``AdmitWriter`` within the landing (§7.14 table, ``landing: probing``): cold
@@ -646,6 +663,11 @@ class LandingWorker:
             raise LandingFailure(f"the probe's admission was refused: {detail}")
         async with host_guard(box.box_dir, host, lambda: self._read_claim(host), clock=box.clock) as guarded:
             stamped = box.stamps.init_record(guarded, box.label)
+            admitted = guarded.claim.holder if guarded.claim is not None else None
+            if not isinstance(stamped, StampRefuse) and admitted is not None:
+                # the installation is this box's now, as a wake's is: the next move away parks it (§6.4, §7.9)
+                for name, path in installation_artifacts(box.db_path(host), box.files_dir(host)).items():
+                    box.stamps.tag(guarded, admitted.incarnation, name, path, admitted.stamp)
         if isinstance(stamped, StampRefuse):
             raise LandingFailure(f"this box cannot record the admitted stamp: {stamped.reason}")
         db_path = box.db_path(host)
@@ -679,17 +701,25 @@ class LandingWorker:
         log.info("landing %s %s: probe admitted into %s from %s", host, move.id, new_gen, base)
         return new_gen
 
-    async def _replicated(self, host: str, move: Move, generation: str, app: ProbeApp) -> ReplicatedApp:
+    async def _replicated(self, host: str, move: Move, generation: str, app: ProbeApp) -> ProbeInstance:
         """Open the admitted session's replication into ``generation`` (its position is the anchor's, §5.1
-        step 7) and run its loop until the app stops."""
+        step 7), run its loop until the app stops, and enter the attempt in the box's registry of instances."""
         box = self.box
         claim = (await box.ledger.read_claim(host)).state
         assert claim is not None and claim.holder is not None
-        rep = await Replicator.open(box.data_store, box.data_bucket, claim.holder.location, generation,
+        holder = claim.holder
+        rep = await Replicator.open(box.data_store, box.data_bucket, holder.location, generation,
                                     box.db_path(host), box.clock)
-        stop = asyncio.Event()
-        task = asyncio.create_task(rep.run(stop, interval_s=box.sync_interval_s))
-        return ReplicatedApp(app, rep, stop, task)
+        instance = Instance(host, app.port, holder.session, generation, holder.location, rep, "probe", process=app)
+        instance.task = asyncio.create_task(rep.run(instance.stop, interval_s=box.sync_interval_s))
+        try:
+            box.instances.enter(instance)
+        except AlreadyRunning:
+            instance.stop.set()
+            await asyncio.wait({instance.task})
+            await rep.close()
+            raise
+        return ProbeInstance(box.instances, instance, app)
 
     async def _newest_completed(self, location: str, chain: list[str], prepared: str) -> str:
         """The newest generation of the admissions chain with a completed install manifest (an admitted

@@ -43,7 +43,7 @@ from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.record import Rollback
 from kernel import rules
-from kernel.fsutil import atomic_write, fsync_dir
+from kernel.fsutil import fsync_dir
 from kernel.ports import Clock, Random, blocking, free_port, http_status
 from services.box.artifacts.archive import ArchiveError, UnsupportedEntry
 from services.box.artifacts.filesmanifest import (
@@ -75,9 +75,10 @@ from services.box.artifacts.markers import (
 )
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
 from services.box.instance.guard import Guarded, host_guard
+from services.box.instance.instances import Instance, Instances, unshipped_path
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.instance.registry import Registry, is_held
-from services.box.instance.stamps import StampBook
+from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
@@ -184,18 +185,6 @@ class StartFailed:
 
 
 @dataclass
-class _Running:
-    spawned: Spawned
-    port: int
-    session: int
-    generation: str
-    location: str
-    replicator: Replicator
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-
-
-@dataclass
 class BoxContext:
     """What a box's activator holds: its identity, its ports and its local stores."""
 
@@ -210,6 +199,8 @@ class BoxContext:
     stamps: StampBook
     clock: Clock
     rng: Random
+    instances: Instances = field(default_factory=Instances)
+    """The box's one registry of running instances, whatever started them (:mod:`.instances`)."""
 
     @property
     def data_dir(self) -> Path:
@@ -220,32 +211,6 @@ class BoxContext:
 
     def files_dir(self, host: str) -> Path:
         return self.data_dir / host
-
-
-def unshipped_path(db_path: Path) -> Path:
-    """``<host>.unshipped``: written before a stop's final sync, removed once it shipped every frame. While it
-    exists the local database may hold commits the bucket does not: the replicator's close after a failed upload
-    lets SQLite checkpoint the unshipped frames into the database file (the last connection's checkpoint on
-    close), so an empty WAL no longer proves there is nothing to ship (:meth:`Activator.flush_orphan`)."""
-    return db_path.with_suffix(".unshipped")
-
-
-async def final_sync(rep: Replicator) -> bool:
-    """A stop's final sync once its tree is gone (§5.3 step 5, §7.4 ``stopped``): ship, checkpoint ``TRUNCATE``,
-    ship again, close. ``<host>.unshipped`` (:func:`unshipped_path`) is written first and stays behind unless
-    every frame shipped, so the next stop or wake flushes what did not (:meth:`Activator.flush_orphan`). Answers
-    whether the stop is clean."""
-    unshipped = unshipped_path(rep.db_path)
-    atomic_write(unshipped, f"{rep.scope.generation}\n".encode())
-    try:
-        await rep.sync()
-        await rep.checkpoint("TRUNCATE")
-        clean = await rep.sync() is None and not rep.pending
-    finally:
-        await rep.close()
-    if clean:
-        unshipped.unlink(missing_ok=True)
-    return clean
 
 
 def purge_local_db(db_path: Path) -> None:
@@ -261,7 +226,11 @@ class Activator:
         self.ctx = ctx
         self.app = app
         self.policy = policy or StartPolicy()
-        self.running: dict[str, _Running] = {}
+
+    @property
+    def running(self) -> Instances:
+        """The box's instances (the context's one registry: a landing's are here too)."""
+        return self.ctx.instances
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -456,9 +425,9 @@ class Activator:
         except BaseException:
             await replicator.close()
             raise
-        running = _Running(spawned, port, holder.session, holder.generation, holder.location, replicator)
+        running = Instance(host, port, holder.session, holder.generation, holder.location, replicator, "wake")
         running.task = asyncio.create_task(replicator.run(running.stop, interval_s=self.policy.sync_interval_s))
-        self.running[host] = running
+        self.running.enter(running)
         writes_lost = bool(holder.admissions and holder.admissions[-1].writes_lost is not None)
         return Started(host, holder.session, holder.generation, baseline, restored_txid, port, spawned.pid,
                        writes_lost)
@@ -535,9 +504,7 @@ class Activator:
 
     def installation_artifacts(self, host: str) -> dict[str, Path]:
         """The local artifacts of an installation (§6.1): the database, its WAL, SHM and ``.gen``, the files."""
-        db = self.ctx.db_path(host)
-        return {"db": db, "db-wal": Path(f"{db}-wal"), "db-shm": Path(f"{db}-shm"), "db-gen": db.with_suffix(".gen"),
-                "files": self.ctx.files_dir(host)}
+        return installation_artifacts(self.ctx.db_path(host), self.ctx.files_dir(host))
 
     def _tag_installation(self, g: Guarded, claim: Claim) -> None:
         """Tag the installation's artifacts with its stamp (§6.4), so ``retire-installation`` parks them."""
@@ -587,24 +554,20 @@ class Activator:
             raise StartError(f"the process tree of {host} did not drain: {drain.error or drain.remaining}")
 
     async def stop(self, host: str) -> Certificate | None:
-        """Stop the instance, run the final sync and certify the session when nothing is left behind. The instance
-        stays in :attr:`running` until its tree is drained and its sync loop has ended, so a stop that fails or is
-        cancelled before that leaves it where the next stop (or the process's death) finds it."""
+        """Stop the instance of ``host``, whatever started it (a wake, a landing's probe, a recovery), run the final
+        sync and certify the session when nothing is left behind (a landing's probe before the open is never
+        certified: it is not the host's writer of record). The instance stays in :attr:`running` until its tree is
+        drained and its sync loop has ended, so a stop that fails or is cancelled before that leaves it where the
+        next stop (or the process's death) finds it."""
         running = self.running.get(host)
         await self._stop_tree(host)
         if running is None:
             await self.flush_orphan(host)
             return None
-        running.stop.set()
-        if running.task is not None:
-            # Wait for the sync loop's own end, a cancelled loop included, without raising its outcome here: a
-            # `suppress(CancelledError)` around `await running.task` also swallowed the cancellation of this caller
-            # (the simulation's agent crash mid-stop: the dead agent's pass loop ran on beside its successor).
-            await asyncio.wait({running.task})
-        self.running.pop(host, None)
-        rep = running.replicator
-        if not await final_sync(rep):
+        clean = await self.running.stop(host)
+        if not clean or running.origin == "probe":
             return None
+        rep = running.replicator
         cert = Certificate(session=running.session, box=self.ctx.label, generation=running.generation,
                            max_txid=rep.position, closed_at=self.ctx.clock.now_ms())
         key = certificate_key(running.location, running.generation, running.session)
@@ -679,5 +642,5 @@ def remove_box_data(ctx: BoxContext) -> None:
 
 __all__ = [
     "Activator", "AppSpec", "BoxContext", "Certificate", "StartFailed", "StartPolicy", "StartRefused", "Started",
-    "certificate_key", "final_sync", "purge_local_db", "replication_position",
+    "certificate_key", "purge_local_db", "replication_position",
 ]

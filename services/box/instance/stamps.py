@@ -153,6 +153,14 @@ def _component(text: str, what: str) -> str:
     return text
 
 
+def installation_artifacts(db: Path, files: Path) -> dict[str, Path]:
+    """The local artifacts of an installation (§6.1): the database, its WAL, SHM and ``.gen``, the files. Whatever
+    installed them (a wake's cold admission, a landing's probe admission) tags them with its stamp, so the
+    ``retire-installation`` of a move away parks them all (§6.4, §7.9 step 3)."""
+    return {"db": db, "db-wal": Path(f"{db}-wal"), "db-shm": Path(f"{db}-shm"), "db-gen": db.with_suffix(".gen"),
+            "files": files}
+
+
 class StampBook:
     """The box's stamp records and artifact tags (§6.4). Mutations require the live host guard."""
 
