@@ -59,7 +59,7 @@ from services.box.instance.proctree import CgroupTree
 from services.box.instance.registry import Registry, RouteRow
 from services.box.instance.stamps import StampBook
 from services.box.instance.timers import Timers
-from services.box.roster import init_box
+from services.box.roster import ensure_deployment, init_box
 from services.door.api import Door
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
@@ -416,7 +416,8 @@ async def run(info: StackInfo, tmp: Path) -> int:
     src_key, tgt_key = load_private_key(ie.box_dir / "secrets.pem"), load_private_key(uk.box_dir / "secrets.pem")
     acks = tmp / "acks"
     acks.mkdir()
-    tree = CgroupTree.discover(src_label, clock=clock, journal=ie.box_dir / "spawns")
+    deployment_id = await ensure_deployment(store, buckets["deploy"], rng=rng, clock=clock)
+    tree = CgroupTree.discover(src_label, deployment=deployment_id, clock=clock, journal=ie.box_dir / "spawns")
     strict, why = tree.strict_available()
     if not strict:
         print(f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves",

@@ -153,7 +153,7 @@ async def _box_fence(args: argparse.Namespace) -> int:
     """``hostmove box fence --label L --terminated``: kill every process of the box (its cgroup subtree on this
     machine), record its fence and mark it in the roster; the recovery service relocates its hosts."""
     from services.box.fence import FenceRefused, cgroup_fence, fence_box
-    from services.box.roster import RosterRefusal
+    from services.box.roster import RosterRefusal, ensure_deployment
 
     if not args.terminated:
         print(f"box {args.label} was not fenced: fencing kills every process of the box and it never acts or "
@@ -163,7 +163,8 @@ async def _box_fence(args: argparse.Namespace) -> int:
     rt = await open_runtime(settings, "cli", probe=False)
     try:
         fence, ref = await fence_box(store=rt.store, bucket=settings.bucket, events=rt.events, clock=rt.clock,
-                                     actor=rt.actor, label=args.label, compute=cgroup_fence)
+                                     actor=rt.actor, label=args.label, compute=cgroup_fence(await ensure_deployment(
+                                         rt.store, settings.bucket, rng=rt.rng, clock=rt.clock)))
     except (FenceRefused, RosterRefusal) as exc:
         print(f"box {args.label} was not fenced: {exc}", file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ from kernel.ports import WallClock
 from services.agent.config import region_bucket
 from services.agent.service import read_endpoint
 from services.box.instance.proctree import CgroupTree
-from services.box.roster import BoxInit
+from services.box.roster import BoxInit, ensure_deployment
 from services.door.auth import token_digest
 
 T = TypeVar("T")
@@ -86,7 +86,8 @@ async def _door_up(url: str, proc: ServiceProc, timeout_s: float = 30.0) -> None
 async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out: Callable[[str], None]) -> Shown | str:
     """Start the services, create, write, move, check. Answers what it showed, or why this machine cannot run it."""
     root = rt.settings.root
-    ok, why = CgroupTree.discover(ie.label, clock=rt.clock).strict_available()
+    deployment = await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng, clock=rt.clock)
+    ok, why = CgroupTree.discover(ie.label, deployment=deployment, clock=rt.clock).strict_available()
     if not ok:
         return f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"
     for box in (ie, uk):

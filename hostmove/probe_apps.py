@@ -64,8 +64,9 @@ class ProbeApps:
     """The target box's probe factory: a moveprobe per attempt, strictly spawned, all kept so they can be stopped.
 
     ``tree`` is the target box's :class:`CgroupTree`. Without one, the first attempt makes a tree of its own,
-    ``hostmove/<region>.probe.<random>/<host>`` on this machine's cgroup v2 mount (a refusing one without it, so
-    every attempt fails with the box's reason), and each app's stop removes what it made. ``home`` is the cgroup
+    ``hostmove/<deployment>/<region>.probe.<random>/<host>`` on this machine's cgroup v2 mount (a refusing one
+    without it, so every attempt fails with the box's reason), and each app's stop removes what it made;
+    ``deployment`` keys it (a private ``probe-<random>`` when not given, so it is nobody else's). ``home`` is the cgroup
     this process came from; the apps no longer need it (nothing is moved there) and it is kept for the callers.
     """
 
@@ -73,6 +74,7 @@ class ProbeApps:
     acks: Path
     region: str = "uk"
     tree: CgroupTree | None = None
+    deployment: str = ""
     apps: list[ProcessApp] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -81,7 +83,9 @@ class ProbeApps:
     def target_tree(self) -> CgroupTree:
         """The target box's tree: the one given, or one of its own made on first use."""
         if self.tree is None:
-            self.tree = CgroupTree(find_cgroup2_root(), f"{self.region}.probe.{secrets.token_hex(4)}")
+            deployment = self.deployment or f"probe-{secrets.token_hex(6)}"
+            self.tree = CgroupTree(find_cgroup2_root(), f"{self.region}.probe.{secrets.token_hex(4)}",
+                                   deployment=deployment)
             self._owned = True
         return self.tree
 
@@ -98,15 +102,16 @@ class ProbeApps:
         return app
 
     def tidy(self, host: str) -> None:
-        """Remove the host's drained leaf, then the box group and ``hostmove`` when empty (only a tree it made)."""
+        """Remove the host's drained leaf, then the box group, the deployment's and ``hostmove`` when empty (only
+        a tree it made)."""
         tree = self.tree
         if not self._owned or tree is None or tree.base is None:
             return
         with suppress(OSError):  # populated (a later attempt runs) or already gone
             tree.remove_leaf(host)
-        for d in (tree.base, tree.base.parent):
-            with suppress(OSError):  # another leaf or box group is still there
-                d.rmdir()
+        with suppress(OSError):  # another leaf is still there
+            tree.base.rmdir()
+        tree.prune()  # another box or deployment may still have its group there
 
     async def stop_all(self) -> None:
         for app in self.apps:

@@ -102,6 +102,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from services.agent.service import PROFILES, BoxAgent, idle_override
     from services.box.instance.agentcg import box_session
     from services.box.instance.proctree import CgroupTree
+    from services.box.roster import ensure_deployment
     from services.ledger.ledger import Ledger
 
     try:
@@ -126,7 +127,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         print(f"hostmove serve box: box {label} was fenced at {utc_text(fenced[0].fenced_at)} ({fenced[0].evidence}); "
               "a fenced box never acts again: enroll a replacement under a new label", flush=True)
         return 2
-    tree = CgroupTree.discover(label, clock=rt.clock, journal=cfg.box_dir / "spawns")
+    tree = CgroupTree.discover(label, deployment=await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng,
+                               clock=rt.clock), clock=rt.clock, journal=cfg.box_dir / "spawns")
     ok, why = tree.strict_available()
     if not ok:
         print(f"hostmove serve box: box {label} cannot spawn strictly ({why}); it refuses to take part in moves",

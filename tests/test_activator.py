@@ -47,6 +47,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.objstore.port import StoreUnavailable
 from services.objstore.s3 import S3Store
+from tests.helpers.cgtest import TEST_DEPLOYMENT
 
 INC = "cd" * 32
 
@@ -66,7 +67,7 @@ class World:
         box_dir = self.root / label
         box_dir.mkdir(parents=True, exist_ok=True)
         clock = WallClock()
-        tree = CgroupTree.discover(f"t-{label}-{self.bucket[-10:]}", clock=clock)
+        tree = CgroupTree.discover(f"t-{label}-{self.bucket[-10:]}", deployment=TEST_DEPLOYMENT, clock=clock)
         self.trees.append(tree)
         return BoxContext(
             label=label, region="ie", box_dir=box_dir, data_bucket=self.bucket, data_store=self.store,

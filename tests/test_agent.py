@@ -162,9 +162,9 @@ async def test_agents_carry_out_a_move_on_events(stack: StackInfo, unique: Calla
         await assert_served_on_uk(w, host, move_id)
         rcs = w.stop()
     assert rcs == {"ie": 0, "uk": 0}, (rcs, w.agents["uk"].output()[-2000:])
-    for label in w.labels.values():  # nothing left running: every leaf of the box is gone
-        assert not Path(f"/sys/fs/cgroup/unified/hostmove/{label}").exists() or not any(
-            p.is_dir() for p in Path(f"/sys/fs/cgroup/unified/hostmove/{label}").iterdir())
+    for region in w.labels:  # nothing left running: every leaf of the box (of this deployment) is gone
+        group = w.box_group(region)
+        assert group is None or not group.exists() or not any(p.is_dir() for p in group.iterdir())
 
 
 @pytest.mark.asyncio(loop_scope="session")

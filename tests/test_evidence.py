@@ -458,7 +458,8 @@ async def test_evidence_is_create_only_and_the_same_after_a_restart(world: World
     # The agent restarts: a new tree object with no memory of the spawn or of the first evidence.
     assert world.tree.root is not None
     assert world.tree.journal is not None
-    restarted = CgroupTree(world.tree.root, world.tree.box_label, journal=world.tree.journal.dir)
+    restarted = CgroupTree(world.tree.root, world.tree.box_label, deployment=world.tree.deployment,
+                           journal=world.tree.journal.dir)
     again = await world.evidence(tree=restarted, store=s3)
     assert isinstance(again, Evidenced) and not again.created
     assert again.evidence == first.evidence  # the original, with its evidence_at (the H clock's start)
@@ -490,7 +491,7 @@ def restarted(world: World, *, boot_id: Path | None = None) -> CgroupTree:
     """The agent after a restart: a new tree and journal over the same box state, nothing in memory."""
     assert world.tree.root is not None and world.tree.journal is not None
     journal = SpawnJournal(world.tree.journal.dir, boot_id=boot_id or BOOT_ID)
-    return CgroupTree(world.tree.root, world.tree.box_label, journal=journal)
+    return CgroupTree(world.tree.root, world.tree.box_label, deployment=world.tree.deployment, journal=journal)
 
 
 async def test_an_absent_group_after_strict_spawns_is_evidence_after_a_restart(
@@ -547,7 +548,7 @@ async def test_an_absent_group_after_a_non_strict_spawn_refuses_with_an_alert(
 
 async def test_an_absent_group_without_a_spawn_journal_refuses(world: World, s3: tuple[S3Store, str]) -> None:
     assert world.tree.root is not None
-    unjournaled = CgroupTree(world.tree.root, world.tree.box_label)
+    unjournaled = CgroupTree(world.tree.root, world.tree.box_label, deployment=world.tree.deployment)
     refused = await world.evidence(tree=unjournaled, store=s3)
     assert isinstance(refused, EvidenceRefused) and refused.codes == ("escape-possible",) and refused.alert
     assert "keeps no spawn journal" in refused.message

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.box.fence import cgroup_fence
+from services.box.instance.agentcg import scrub
 from services.box.instance.proctree import (
     AGENT_LEAF,
     CgroupTree,
@@ -24,6 +26,7 @@ from services.box.instance.proctree import (
     stray_processes,
 )
 from tests.helpers.cgtest import (
+    TEST_DEPLOYMENT,
     Reaper,
     alive,
     as_agent,
@@ -120,7 +123,7 @@ def test_find_cgroup2_root_reads_mounts(tmp_path: Path) -> None:
 def test_without_cgroup2_the_box_says_so_and_never_spawns(tmp_path: Path) -> None:
     mounts = tmp_path / "mounts"
     mounts.write_text("cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n")
-    tree = CgroupTree.discover("box-a", mounts=mounts)
+    tree = CgroupTree.discover("box-a", deployment="d1", mounts=mounts)
     ok, reason = tree.strict_available()
     assert not ok and "no cgroup v2" in reason and "refuses" in reason
     marker = tmp_path / "ran"
@@ -228,7 +231,7 @@ async def test_a_restarted_agent_reopens_and_drains(box: tuple[CgroupTree, Path]
     tree, _ = box
     _, descendant = spawn_tree(tree, HOST, tmp_path)
     assert tree.root is not None
-    restarted = CgroupTree(tree.root, tree.box_label)  # no memory of the spawn
+    restarted = CgroupTree(tree.root, tree.box_label, deployment=tree.deployment)  # no memory of the spawn
     assert restarted.populated(HOST)
     assert restarted.members(HOST) == (descendant,)
     drain = await restarted.reopen_and_drain(HOST, within_s=10)
@@ -399,3 +402,74 @@ def test_stray_processes_in_the_agent_leaf(box: tuple[CgroupTree, Path], reaper:
         assert tree.strays(os.getpid()).strays == ()
     unreadable = stray_processes(tmp_path / "not-a-cgroup", os.getpid())
     assert not unreadable.readable and "cannot read" in unreadable.error
+
+
+# -- two deployments on one machine (issue 11 item 5) -----------------------------------------------------------
+
+
+def test_a_box_is_keyed_by_its_deployment_as_well_as_its_label(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup2"
+    a = CgroupTree(root, "ie-1", deployment="dep-a")
+    b = CgroupTree(root, "ie-1", deployment="dep-b")
+    assert a.base == root / "hostmove" / "dep-a" / "ie-1" and b.base == root / "hostmove" / "dep-b" / "ie-1"
+    assert a.leaf(HOST) == root / "hostmove" / "dep-a" / "ie-1" / "shop_2Eexample_2Ecom"
+    assert a.leaf(HOST) != b.leaf(HOST) and a.agent_leaf() != b.agent_leaf()
+    assert a.agent_leaf() == root / "hostmove" / "dep-a" / "ie-1" / AGENT_LEAF
+    odd = CgroupTree(root, "ie-1", deployment="x.y/z")  # a name is always made safe: one directory, no dot
+    assert odd.deployment_dir == root / "hostmove" / "x_2Ey_2Fz"
+    with pytest.raises(ValueError, match="keyed by its deployment"):
+        CgroupTree(root, "ie-1")
+    assert CgroupTree(None, "ie-1").base is None  # no hierarchy here: nothing to key, every spawn refuses
+
+
+def _stray_in(tree: CgroupTree, reaper: Reaper, ready: Path) -> int:
+    """A process in the box's own ``@agent`` leaf that is not the agent: a stray of that box."""
+    proc = reaper.start(forker("sleep", str(ready)))
+    read_pid(ready)
+    tree.enter_agent_leaf(proc.pid)
+    return proc.pid
+
+
+async def test_one_deployment_never_scans_or_kills_the_others_processes(
+    unique: Callable[..., str], reaper: Reaper, tmp_path: Path
+) -> None:
+    """Two deployments name a box the same on one machine: each one's stray scan, kill and drain, scrub and
+    fence stay inside its own subtree, and the other's instance and agent-leaf processes live on."""
+    label = unique("ie-1")
+    with box_tree(label, deployment=f"{TEST_DEPLOYMENT}-a") as (a, home), \
+            box_tree(label, deployment=f"{TEST_DEPLOYMENT}-b") as (b, _):
+        assert a.base is not None and b.base is not None and a.base != b.base and a.box_label == b.box_label
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        _, a_descendant = spawn_tree(a, HOST, tmp_path / "a")
+        _, b_descendant = spawn_tree(b, HOST, tmp_path / "b")
+        assert b.strict_available()[0]
+        b_stray = _stray_in(b, reaper, tmp_path / "b-stray")
+        assert a.members(HOST) == (a_descendant,) and b.members(HOST) == (b_descendant,)
+
+        with as_agent(a, home):
+            scan = a.strays(os.getpid())
+            assert scan.readable and scan.strays == (), scan  # b's stray is not a's to see
+            drain = await a.kill_and_drain(HOST, within_s=10)
+            assert drain.drained and drain.pids_before == (a_descendant,)
+            assert not alive(a_descendant) and alive(b_descendant) and b.populated(HOST)
+            again = await a.reopen_and_drain(HOST, within_s=10)
+            assert again.drained and again.pids_before == () and alive(b_descendant)
+        b_scan = b.strays(os.getpid())
+        assert b_scan.readable is False and str(home) in b_scan.error  # not b's agent: b's group is not read
+        with as_agent(b, home):
+            assert b.strays(os.getpid()).strays == (b_stray,)
+            assert a.strays(os.getpid()).readable is False, "an agent in b's leaf is never a's to scan"
+
+        _, a_descendant = spawn_tree(a, "two.example", tmp_path / "a")
+        scrub(a, home)  # a's agent stops: its whole subtree goes, nothing of b's
+        assert not a.base.exists() and not alive(a_descendant)
+        assert b.base.is_dir() and alive(b_descendant) and alive(b_stray) and b.populated(HOST)
+
+        (tmp_path / "a2").mkdir()
+        _, a_descendant = spawn_tree(a, HOST, tmp_path / "a2")
+        a_stray = _stray_in(a, reaper, tmp_path / "a-stray")
+        evidence = cgroup_fence(a.deployment)(label)  # fencing a's ie-1 kills a's ie-1 only
+        assert "every process of box" in evidence and a.deployment in evidence
+        assert not alive(a_descendant) and not alive(a_stray)
+        assert alive(b_descendant) and alive(b_stray) and b.members(HOST) == (b_descendant,)

@@ -158,7 +158,7 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
             assert entry is not None and entry.fenced_at is not None
         finally:
             new_agent.stop()
-            drain_box_groups(replacement)
+            drain_box_groups(replacement, w.deployment)
 
 
 # -- the deciders (pure) ---------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ Every transition that relies on a fence cites it as ``{"enrollment", "key", "sha
 fence's key and the SHA-256 of the exact bytes the transition verified; a consumer re-reads the key and compares.
 
 **Compute fencing** is a port (:data:`ComputeFence`). The spec's is the cloud API showing the instance
-``terminated``; on the embedded default a box is its cgroup subtree ``hostmove/<box>`` on this machine (the agent in
-``@agent``, each instance in its leaf), so :func:`cgroup_fence` kills the whole subtree with ``cgroup.kill`` and
-waits until it reports ``populated 0``. A claim CAS alone is bookkeeping, never a fence (joint D6): nothing here
-writes the record before the compute is dead.
+``terminated``; on the embedded default a box is its cgroup subtree ``hostmove/<deployment>/<box>`` on this machine
+(the agent in ``@agent``, each instance in its leaf), so :func:`cgroup_fence` kills the whole subtree with
+``cgroup.kill`` and waits until it reports ``populated 0``. The subtree is keyed by the deployment's identity
+(``control/deployment.json``): fencing ``ie-1`` never touches another deployment's box of the same label. A claim
+CAS alone is bookkeeping, never a fence (joint D6): nothing here writes the record before the compute is dead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 from urllib.parse import quote
 
@@ -99,24 +101,35 @@ class FenceRefused(Exception):
     """The box could not be fenced; nothing was recorded. The message is in the operator's words."""
 
 
-def cgroup_fence(label: str, *, timeout_s: float = 10.0) -> str:
-    """The embedded default's compute fence: kill the box's cgroup subtree and wait until it is empty."""
-    tree = CgroupTree.discover(label)
-    ok, why = tree.strict_available()
-    base = tree.base
-    if not ok or base is None:
-        raise FenceRefused(f"box {label}'s processes cannot be verified dead on this machine ({why}); stop its "
-                           "machine and fence it from where its compute is visible")
-    if not base.is_dir():
-        return f"no process of box {label} runs on this machine (no cgroup {base.name} under hostmove/)"
-    (base / "cgroup.kill").write_text("1")
-    deadline = time.monotonic() + timeout_s
-    while "populated 0" not in (base / "cgroup.events").read_text():
-        if time.monotonic() > deadline:
-            raise FenceRefused(f"box {label}'s cgroup did not empty within {timeout_s:g} s of cgroup.kill; "
-                               "nothing was fenced")
-        time.sleep(0.01)
-    return f"every process of box {label} was killed (cgroup hostmove/{base.name}: cgroup.kill, populated 0)"
+def cgroup_fence(deployment: str, *, timeout_s: float = 10.0,
+                 mounts: str | Path = "/proc/mounts") -> ComputeFence:
+    """The embedded default's compute fence for the deployment ``deployment`` (its identity,
+    :func:`services.box.roster.ensure_deployment`): kill the box's cgroup subtree
+    ``hostmove/<deployment>/<label>`` and wait until it is empty."""
+
+    def fence(label: str) -> str:
+        tree = CgroupTree.discover(label, deployment=deployment, mounts=mounts)
+        base = tree.base
+        if base is None or tree.root is None:
+            raise FenceRefused(f"box {label}'s processes cannot be verified dead on this machine (no cgroup v2 "
+                               "hierarchy); stop its machine and fence it from where its compute is visible")
+        where = base.relative_to(tree.root)
+        if not base.is_dir():  # nothing to create: an absent group holds no process
+            return f"no process of box {label} runs on this machine (no cgroup {where})"
+        ok, why = tree.strict_available()
+        if not ok:
+            raise FenceRefused(f"box {label}'s processes cannot be verified dead on this machine ({why}); stop its "
+                               "machine and fence it from where its compute is visible")
+        (base / "cgroup.kill").write_text("1")
+        deadline = time.monotonic() + timeout_s
+        while "populated 0" not in (base / "cgroup.events").read_text():
+            if time.monotonic() > deadline:
+                raise FenceRefused(f"box {label}'s cgroup did not empty within {timeout_s:g} s of cgroup.kill; "
+                                   "nothing was fenced")
+            time.sleep(0.01)
+        return f"every process of box {label} was killed (cgroup {where}: cgroup.kill, populated 0)"
+
+    return fence
 
 
 def decide_fence_roster(current: Roster | None, label: str, at: int) -> Roster:

@@ -7,11 +7,19 @@ bytes never reproduce an old ETag. Each registration is also a ``roster`` fact o
 
 ``init_box`` creates the box's directory (``<root>/boxes/<label>/``), holds the deployment's P-256
 secrets key there with owner-only permissions, and registers the box.
+
+``control/deployment.json`` is the deployment's identity (issue 11 item 5): a random id, created once, create-only
+(If-None-Match), by whoever first needs it (:func:`ensure_deployment`: a box's agent at its start, the fence, the
+demo), and never rewritten, so every service of the deployment reads the same id across restarts of each of them
+and of the stack (the bucket persists; ports do not). It keys the box's cgroup subtree on the machine,
+``hostmove/<deployment>/<label>`` (:class:`services.box.instance.proctree.CgroupTree`): two deployments that both
+name a box ``ie-1`` on one machine never see, kill or share each other's processes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +29,17 @@ import msgspec
 
 from bus.facts import Fact, publish_fact
 from bus.log import EventLog
-from events.base import Durable, Ident, Millis, canonical, check_gen, decode, validate_ident
+from events.base import Durable, DurableValueError, Ident, Millis, canonical, check_gen, decode, validate_ident
 from events.envelope import Actor
 from kernel.fsutil import atomic_write
-from kernel.ports import Clock
+from kernel.ports import Clock, Random
 from services.box.artifacts.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
 from services.objstore.port import Got, Lost, ObjectStore
 
 ROSTER_KEY = "control/roster.json"
+DEPLOYMENT_KEY = "control/deployment.json"
 MOVES_PROTOCOL = 1
+_DEPLOYMENT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 class RosterBox(Durable, frozen=True):
@@ -65,6 +75,52 @@ class Roster(Durable, frozen=True):
 
 class RosterRefusal(Exception):
     """A registration the roster refuses, in the operator's words."""
+
+
+class DeploymentId(Durable, frozen=True):
+    """``control/deployment.json``: who this deployment is, whatever its ports or box labels."""
+
+    __durable_root__: ClassVar[bool] = True
+
+    id: Ident
+    """Lowercase letters, digits and ``-``, at most 63 (a cgroup directory name as it stands)."""
+    created_at: Millis
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _DEPLOYMENT_ID.match(self.id):
+            raise DurableValueError("invalid_value", "deployment_id", "a deployment id is lowercase letters, digits "
+                                    "and '-', at most 63, starting with a letter or digit", "DeploymentId.id")
+
+
+def new_deployment_id(rng: Random) -> str:
+    """A fresh deployment id: 64 random bits in hex."""
+    return rng.token_bytes(8).hex()
+
+
+async def read_deployment(store: ObjectStore, bucket: str) -> DeploymentId | None:
+    """The deployment's identity, or ``None`` before anyone needed one. A corrupt one raises (C6)."""
+    got = await store.get(bucket, DEPLOYMENT_KEY)
+    if not isinstance(got, Got):
+        return None
+    return decode(got.body, DeploymentId)
+
+
+async def ensure_deployment(store: ObjectStore, bucket: str, *, rng: Random, clock: Clock) -> str:
+    """The deployment's id, created create-only on first need: of two first readers one write wins and both
+    answer its id."""
+    current = await read_deployment(store, bucket)
+    if current is not None:
+        return current.id
+    minted = DeploymentId(id=new_deployment_id(rng), created_at=clock.now_ms())
+    result = await store.put(bucket, DEPLOYMENT_KEY, canonical(minted), if_none_match=True)
+    if not isinstance(result, Lost):
+        return minted.id
+    current = await read_deployment(store, bucket)  # another service's first write stands
+    if current is None:
+        raise RosterRefusal(f"the deployment's identity {DEPLOYMENT_KEY} was written but cannot be read back; "
+                            "start again")
+    return current.id
 
 
 def decide_register(current: Roster | None, entry: RosterBox) -> Roster:

@@ -1,5 +1,9 @@
 """Box agents as real OS processes (``hostmove serve box --label L``) against the session's stack, for the
-service and crash-matrix tests: start, stop by SIGTERM, and watch a failpoint's SIGKILL."""
+service and crash-matrix tests: start, stop by SIGTERM, and watch a failpoint's SIGKILL.
+
+Each world is its own deployment: its own deployment bucket, whose identity (``control/deployment.json``) the world
+mints before its agents start and every agent reads, so its boxes' cgroup subtrees are
+``hostmove/<that id>/<label>`` and no two worlds (of this run or of another run on this machine) share one."""
 
 from __future__ import annotations
 
@@ -17,9 +21,9 @@ from bus.nats_log import NatsEventLog
 from events import Actor
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
-from kernel.ports import WallClock
+from kernel.ports import SystemRandom, WallClock
 from services.box.instance.proctree import CgroupTree
-from services.box.roster import init_box
+from services.box.roster import ensure_deployment, init_box
 from services.ledger import Ledger
 from services.objstore.s3 import S3Store
 
@@ -42,8 +46,8 @@ async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeou
 @dataclass
 class AgentWorld:
     """A deployment of two boxes (``ie`` and ``uk``), each run by its own agent process, on the real stack.
-    ``deploy`` is this world's deployment bucket (its roster names exactly these two boxes); the data buckets
-    are ``<prefix>-ie`` and ``<prefix>-uk``."""
+    ``deploy`` is this world's deployment bucket (its roster names exactly these two boxes) and ``deployment`` its
+    identity (the key of its cgroup subtrees); the data buckets are ``<prefix>-ie`` and ``<prefix>-uk``."""
 
     root: Path
     deploy: str
@@ -53,9 +57,18 @@ class AgentWorld:
     store: S3Store
     events: NatsEventLog
     ledger: Ledger
+    deployment: str = ""
 
     def box_dir(self, region: str) -> Path:
         return self.root / "boxes" / self.labels[region]
+
+    def tree(self, label: str) -> CgroupTree:
+        """Box ``label``'s cgroup tree in this world's deployment (``hostmove/<deployment>/<label>``)."""
+        return CgroupTree.discover(label, deployment=self.deployment, clock=WallClock())
+
+    def box_group(self, region: str) -> Path | None:
+        """The region's box's cgroup subtree on this machine (which may not exist), ``None`` without cgroup v2."""
+        return self.tree(self.labels[region]).base
 
     def acks(self, host: str) -> Path:
         return self.root / "acks" / f"{host}.jsonl"
@@ -64,10 +77,11 @@ class AgentWorld:
         return {region: agent.stop() for region, agent in self.agents.items()}
 
 
-def drain_box_groups(label: str) -> None:
-    """Kill, drain and remove every cgroup leaf of box ``label`` and its group (what a box's agent scrubs when it
-    stops gracefully; a SIGKILLed one cannot)."""
-    tree = CgroupTree.discover(label, clock=WallClock())
+def drain_box_groups(label: str, deployment: str) -> None:
+    """Kill, drain and remove every cgroup leaf of box ``label`` of the deployment ``deployment`` and its group
+    (what a box's agent scrubs when it stops gracefully; a SIGKILLed one cannot). Nothing of another deployment's
+    box of the same label is touched."""
+    tree = CgroupTree.discover(label, deployment=deployment, clock=WallClock())
     base = tree.base
     if base is None or not base.is_dir():
         return
@@ -80,6 +94,7 @@ def drain_box_groups(label: str) -> None:
             leaf.rmdir()
     with suppress(OSError):
         base.rmdir()
+    tree.prune()
 
 
 @asynccontextmanager
@@ -104,16 +119,20 @@ async def data_buckets(stack: StackInfo, unique: Callable[[str], str],
 @asynccontextmanager
 async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path, prefix: str, *, store: S3Store,
                       events: NatsEventLog, start: bool = True, extra: dict[str, dict[str, str]] | None = None,
-                      app_env: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:
-    """Two boxes under ``root`` registered in a fresh deployment bucket, their agents started (unless
-    ``start`` is False); on exit the agents are stopped by SIGTERM and the deployment bucket dropped. The data
-    buckets ``<prefix>-ie`` and ``<prefix>-uk`` belong to the caller (shared across worlds)."""
+                      app_env: dict[str, str] | None = None,
+                      labels: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:
+    """Two boxes under ``root`` registered in a fresh deployment bucket with its own identity, their agents
+    started (unless ``start`` is False); on exit the agents are stopped by SIGTERM, every group of the world's boxes
+    is drained and the deployment bucket dropped. The data buckets ``<prefix>-ie`` and ``<prefix>-uk`` belong to the
+    caller (shared across worlds). ``labels`` names the boxes (``{"ie": ..., "uk": ...}``; unique ones by
+    default)."""
     clock = WallClock()
     deploy = unique("agt-deploy")
     await store.create_bucket(deploy, versioned=True)
+    deployment = await ensure_deployment(store, deploy, rng=SystemRandom(), clock=clock)
     actor = Actor(service="test-agents", pid=os.getpid(), nonce="agents")
     ledger = Ledger(store, events, clock, actor, deploy)
-    labels = {"ie": unique("ie"), "uk": unique("uk")}
+    labels = dict(labels) if labels is not None else {"ie": unique("ie"), "uk": unique("uk")}
     for region, label in labels.items():
         await init_box(root=root, label=label, region=region, store=store, bucket=deploy, events=events, clock=clock,
                        actor=actor)
@@ -121,7 +140,7 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
         "HOSTMOVE_DATA_BUCKET_PREFIX": prefix, "HOSTMOVE_PROFILE": "fast", **(app_env or {})})
     agents = {r: ServiceProc.serve("box", env, root / f"agent-{label}.log", "--label", label)
               for r, label in labels.items()}
-    world = AgentWorld(root, deploy, prefix, labels, agents, store, events, ledger)
+    world = AgentWorld(root, deploy, prefix, labels, agents, store, events, ledger, deployment)
     try:
         if start:
             for region, agent in agents.items():
@@ -130,7 +149,7 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
     finally:
         world.stop()
         for label in labels.values():  # an agent killed by a failpoint never scrubbed its groups: nothing stays
-            drain_box_groups(label)
+            drain_box_groups(label, deployment)
         await store.delete_bucket(deploy)
 
 

@@ -1,8 +1,13 @@
-"""Shared set-up for the cgroup tests: a per-test box group that is always scrubbed, and polling helpers."""
+"""Shared set-up for the cgroup tests: a per-test box group that is always scrubbed, and polling helpers.
+
+Every tree here belongs to this test run's own deployment, :data:`TEST_DEPLOYMENT` (``hostmove/<it>/<box>``), so
+two test runs on one machine (two engineers' pytest at once) never see each other's processes, whatever labels
+their boxes carry."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -10,13 +15,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from services.box.instance.agentcg import scrub as agent_scrub
 from services.box.instance.proctree import CgroupTree, current_cgroup_dir, find_cgroup2_root
 
 FORKER = Path(__file__).with_name("forker.py")
 T = TypeVar("T")
+TEST_DEPLOYMENT = f"test-{os.getpid()}-{secrets.token_hex(4)}"
+"""This test run's deployment identity: it keys every cgroup subtree the run's trees make (issue 11 item 5)."""
 
 
 def wait_for(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
@@ -69,13 +76,19 @@ def scrub(tree: CgroupTree, home: Path) -> None:
     agent_scrub(tree, home)
 
 
+def run_tree(box: str, *, deployment: str = TEST_DEPLOYMENT, **kwargs: Any) -> CgroupTree:
+    """A tree on this machine's cgroup v2 mount for ``box`` of this run's deployment (or the one named)."""
+    return CgroupTree.discover(box, deployment=deployment, **kwargs)
+
+
 @contextmanager
-def box_tree(box: str) -> Iterator[tuple[CgroupTree, Path]]:
-    """A :class:`CgroupTree` for a fresh box label, scrubbed afterwards; also where this process lives now."""
+def box_tree(box: str, *, deployment: str = TEST_DEPLOYMENT) -> Iterator[tuple[CgroupTree, Path]]:
+    """A :class:`CgroupTree` for a fresh box label of this run's deployment (or the one named), scrubbed
+    afterwards; also where this process lives now."""
     root = cgroup_root()
     home = current_cgroup_dir(root)
     assert home is not None, "cannot find this process's own cgroup v2 directory"
-    tree = CgroupTree(root, box)
+    tree = CgroupTree(root, box, deployment=deployment)
     try:
         yield tree, home
     finally:
@@ -84,7 +97,8 @@ def box_tree(box: str) -> Iterator[tuple[CgroupTree, Path]]:
 
 @contextmanager
 def as_agent(tree: CgroupTree, home: Path) -> Iterator[Path]:
-    """Run this (test) process as the box's agent: inside ``hostmove/<box>/@agent`` until the block ends."""
+    """Run this (test) process as the box's agent: inside ``hostmove/<deployment>/<box>/@agent`` until the block
+    ends."""
     leaf = tree.enter_agent_leaf()
     try:
         yield leaf

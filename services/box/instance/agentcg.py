@@ -1,8 +1,9 @@
 """The agent's own cgroup: run this process as a box's agent, and leave nothing behind (spec §5.3 step 2).
 
 Stop evidence counts every process in the agent's leaf other than the agent as a stray, so the agent
-lives in ``hostmove/<box>/@agent`` while it acts for the box. ``scrub`` kills, drains and removes every
-leaf of a box and moves this process back to where it came from.
+lives in ``hostmove/<deployment>/<box>/@agent`` while it acts for the box. ``scrub`` kills, drains and removes
+every leaf of that box of that deployment, and nothing outside it (another deployment's box of the same label
+has its own subtree), and moves this process back to where it came from.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _wait_drained(leaf: Path, timeout_s: float = 10.0) -> None:
 
 
 def scrub(tree: CgroupTree, home: Path) -> None:
-    """Leave nothing behind: this process back in ``home``, every leaf killed, drained and removed."""
+    """Leave nothing behind: this process back in ``home``, every leaf of the box's own subtree
+    (``hostmove/<deployment>/<box>``) killed, drained and removed, then the empty parents."""
     base = tree.base
     if base is None or not base.is_dir():
         return
@@ -45,8 +47,7 @@ def scrub(tree: CgroupTree, home: Path) -> None:
             leaf.rmdir()
     tree.reap()
     base.rmdir()
-    with suppress(OSError):
-        base.parent.rmdir()  # other boxes may still have groups here
+    tree.prune()  # other boxes or deployments may still have groups here
 
 
 @contextmanager

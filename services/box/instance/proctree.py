@@ -3,9 +3,16 @@
 The :class:`ProcessTree` port is what the activator and :mod:`services.box.instance.evidence` ask of a box's
 processes; :class:`CgroupTree` is the real implementation over the cgroup v2 hierarchy.
 
-- **Layout.** ``<cgroup2>/hostmove/<box>/<host>``: one leaf per host, names made safe and reversible by
-  :func:`leaf_name` (``[A-Za-z0-9-]`` kept, any other UTF-8 byte as ``_XX``). A name never contains a dot,
-  so it cannot collide with a cgroup interface file. The cgroup2 mount is found in ``/proc/mounts``.
+- **Layout.** ``<cgroup2>/hostmove/<deployment>/<box>/<host>``: one leaf per host, the agent in
+  ``<box>/@agent``, names made safe and reversible by :func:`leaf_name` (``[A-Za-z0-9-]`` kept, any other UTF-8
+  byte as ``_XX``). A name never contains a dot, so it cannot collide with a cgroup interface file. The cgroup2
+  mount is found in ``/proc/mounts``.
+- **Keyed by the deployment** (issue 11 item 5). ``<deployment>`` is the deployment's identity
+  (``control/deployment.json`` in its bucket, :func:`services.box.roster.ensure_deployment`), so two deployments
+  on one machine that both name a box ``ie-1`` (two checkouts running the demo at once, two test runs) have two
+  subtrees. Everything that kills or scans (a drain, the stray scan, the agent's scrub, the fence, adopting
+  what a dead agent left) reads only its own deployment's box subtree: :meth:`CgroupTree.strays` refuses to scan
+  a group that is not this box's ``@agent`` leaf.
 - **Strict spawns only** (§5.3 "Every spawn under a move is strict", joint D3). :meth:`CgroupTree.prepare_strict`
   refuses a populated group; :meth:`CgroupTree.spawn_strict` starts ``/bin/sh`` as a shim that writes its own
   pid into the leaf's ``cgroup.procs``, reports the placement on a pipe and only then ``exec``s the app, so the
@@ -72,7 +79,8 @@ __all__ = [
 
 BASE_DIR = "hostmove"
 AGENT_LEAF = "@agent"
-"""The agent's own leaf under ``<cgroup2>/hostmove/<box>/`` (``@`` never appears in a leaf name)."""
+"""The agent's own leaf under ``<cgroup2>/hostmove/<deployment>/<box>/`` (``@`` never appears in a leaf name)."""
+_MKDIR_ATTEMPTS = 5
 SHIM_REFUSED = 125
 _MAX_LEAF_BYTES = 240
 _LEAF = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
@@ -477,9 +485,11 @@ class ProcessTree(Protocol):
 
 
 class CgroupTree:
-    """The real :class:`ProcessTree` over cgroup v2: ``<root>/hostmove/<box>/<host>`` (spec §5.3).
+    """The real :class:`ProcessTree` over cgroup v2: ``<root>/hostmove/<deployment>/<box>/<host>`` (spec §5.3).
 
     Holds no state that evidence depends on: a new object (a restarted agent) reads the same groups.
+    ``deployment`` is the deployment's identity (:func:`services.box.roster.ensure_deployment`); a tree on a real
+    hierarchy needs one, so two deployments with the same box labels never share a group.
     ``root=None`` (no cgroup v2 on this machine) makes every strict spawn refuse. ``journal`` is the box's
     :class:`SpawnJournal` (a directory in the box's state): every strict spawn is recorded there first. Without
     one nothing is recorded and :meth:`spawn_history` knows nothing, so an absent leaf never counts as evidence.
@@ -490,13 +500,20 @@ class CgroupTree:
         root: str | Path | None,
         box_label: str,
         *,
+        deployment: str = "",
         clock: Clock | None = None,
         journal: SpawnJournal | str | Path | None = None,
     ) -> None:
         self.root = Path(root) if root is not None else None
+        if self.root is not None and not deployment:
+            raise ValueError(f"box {box_label}'s cgroup subtree is keyed by its deployment's identity: name it "
+                             "(control/deployment.json in the deployment bucket)")
         self.box_label = box_label
+        self.deployment = deployment
         self.clock: Clock = clock or WallClock()
-        self.base = self.root / BASE_DIR / leaf_name(box_label) if self.root is not None else None
+        self.deployment_dir = self.root / BASE_DIR / leaf_name(deployment) if self.root is not None else None
+        """``<root>/hostmove/<deployment>``: every box group of this deployment on this machine."""
+        self.base = self.deployment_dir / leaf_name(box_label) if self.deployment_dir is not None else None
         self.journal = journal if isinstance(journal, SpawnJournal) or journal is None else SpawnJournal(
             journal, clock=self.clock)
         self._children: list[subprocess.Popen[bytes]] = []
@@ -506,12 +523,14 @@ class CgroupTree:
         cls,
         box_label: str,
         *,
+        deployment: str,
         clock: Clock | None = None,
         mounts: str | Path = "/proc/mounts",
         journal: SpawnJournal | str | Path | None = None,
     ) -> CgroupTree:
-        """A tree on this machine's cgroup v2 mount (found in ``/proc/mounts``), or a refusing one without it."""
-        return cls(find_cgroup2_root(mounts), box_label, clock=clock, journal=journal)
+        """A tree on this machine's cgroup v2 mount (found in ``/proc/mounts``), or a refusing one without it,
+        for box ``box_label`` of the deployment ``deployment`` (its identity, never only the label)."""
+        return cls(find_cgroup2_root(mounts), box_label, deployment=deployment, clock=clock, journal=journal)
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -527,12 +546,18 @@ class CgroupTree:
         )
 
     def strict_available(self) -> tuple[bool, str]:
-        """Strict spawns need a cgroup2 mount, a writable ``hostmove/<box>`` group, ``cgroup.kill`` (Linux 5.14+)
-        and ``cgroup.events`` (ARCHITECTURE §6: without them the box refuses moves)."""
+        """Strict spawns need a cgroup2 mount, a writable ``hostmove/<deployment>/<box>`` group, ``cgroup.kill``
+        (Linux 5.14+) and ``cgroup.events`` (ARCHITECTURE §6: without them the box refuses moves)."""
         if self.root is None or self.base is None:
             return False, self._no_cgroup2()
         try:
-            self.base.mkdir(parents=True, exist_ok=True)
+            for attempt in range(_MKDIR_ATTEMPTS):
+                try:
+                    self.base.mkdir(parents=True, exist_ok=True)
+                    break
+                except FileNotFoundError:  # another box's clean-up removed an empty parent meanwhile: again
+                    if attempt == _MKDIR_ATTEMPTS - 1:
+                        raise
         except OSError as exc:
             return False, (
                 f"cannot create the cgroup {self.base} ({exc.strerror or exc}); the agent needs a delegated, "
@@ -683,10 +708,21 @@ class CgroupTree:
     def agent_dir(self) -> Path | None:
         return current_cgroup_dir(self.root) if self.root is not None else None
 
+    def agent_leaf(self) -> Path | None:
+        """Where this box's agent lives: ``<root>/hostmove/<deployment>/<box>/@agent``."""
+        return self.base / AGENT_LEAF if self.base is not None else None
+
     def strays(self, own_pid: int) -> StrayScan:
+        """§5.3 step 2 over this box's own ``@agent`` leaf and nothing else: an agent found in any other group
+        (another deployment's, another box's, the machine's) is a scan that cannot be made, never a list of
+        someone else's processes."""
         d = self.agent_dir()
         if d is None:
             return StrayScan("", (), False, "the agent's own cgroup could not be found in /proc/self/cgroup")
+        own = self.agent_leaf()
+        if own is None or d != own:
+            return StrayScan(str(d), (), False, f"the agent runs in the cgroup {d}, not in its box's own group "
+                             f"{own}; only that group is this box's to scan")
         return stray_processes(d, own_pid)
 
     def holders(self, paths: Iterable[str | Path], *, uid: int | None = None) -> HolderScan:
@@ -741,8 +777,8 @@ class CgroupTree:
     # -- agent leaf and clean-up ----------------------------------------------------------------------
 
     def enter_agent_leaf(self, pid: int | None = None) -> Path:
-        """Move the agent (this process by default) into ``<root>/hostmove/<box>/@agent``, so that §5.3
-        step 2 can tell the agent's own group apart from everything else. Returns the leaf."""
+        """Move the agent (this process by default) into ``<root>/hostmove/<deployment>/<box>/@agent``, so
+        that §5.3 step 2 can tell the agent's own group apart from everything else. Returns the leaf."""
         ok, reason = self.strict_available()
         if not ok or self.base is None:
             raise StrictRefused(reason)
@@ -760,16 +796,24 @@ class CgroupTree:
         return True
 
     def remove_box(self) -> None:
-        """Remove ``hostmove/<box>`` (and ``hostmove`` if empty) once every leaf is empty and removed."""
+        """Remove ``hostmove/<deployment>/<box>`` once every leaf is empty and removed, then the deployment's
+        and ``hostmove`` groups if nothing else is left in them."""
         if self.base is None:
             return
-        agent = self.base / AGENT_LEAF
-        for d in (agent, self.base, self.base.parent):
+        for d in (self.base / AGENT_LEAF, self.base):
             try:
                 d.rmdir()
             except FileNotFoundError:
                 continue
-            except OSError:
-                if d == self.base.parent:
-                    continue  # another box still has its group here
-                raise
+        self.prune()
+
+    def prune(self) -> None:
+        """Remove ``hostmove/<deployment>`` and ``hostmove`` when empty; a group that still holds another box's
+        (or another deployment's) group stays."""
+        if self.deployment_dir is None:
+            return
+        for d in (self.deployment_dir, self.deployment_dir.parent):
+            try:
+                d.rmdir()
+            except OSError:  # absent, or another box or deployment still has its group here
+                continue
