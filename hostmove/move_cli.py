@@ -1,16 +1,21 @@
 """``hostmove move``: the operator's command line for moves, a client of the door's HTTP API (spec §12).
 
-    hostmove move --host H --to R [--manual-cut] [--no-wait] [--timeout S]
+    hostmove move --host H --to R [--manual-cut] [--no-wait] [--until serving|closed] [--timeout S]
+    hostmove move watch --host H [--until serving|closed]      (or: move status --host H --watch)
     hostmove move status --host H [--json]
     hostmove move cut --host H
     hostmove move abort --host H
 
+``--wait`` (the default) returns once the host serves on the target, or is back on the source, and says
+that the move goes on closing (its parks) in the background; ``--until closed`` waits for the close.
+``watch`` follows a move another command started, the same way.
+
 Configuration from the environment: ``HOSTMOVE_DOOR_URL`` (default ``http://127.0.0.1:8081``) and
 ``HOSTMOVE_TOKEN`` (the operator token; never printed, never in an error message).
 
-Exit codes (§12): 0 done, 3 rolled back (or aborted: the host stayed where it was), 4 stuck or still
-waiting at the deadline, 5 refused (the door did not carry the request out; its sentence is printed),
-2 bad usage or configuration (no token, a door that cannot be reached or does not answer as the door).
+Exit codes: the one table of :mod:`hostmove.exitcodes` (§12's: 0 done, 3 rolled back or aborted, 4 stuck or
+still waiting at the deadline, 5 refused with the door's sentence; and 2 bad usage or configuration, 6 the
+door unreachable or answering 503 because a dependency of its own is down, 1 a failure that is neither).
 
 The shape (ARCHITECTURE §3): the pure core (:func:`milestones`, :func:`outcome`, :func:`timings`,
 :func:`status_lines`) turns the door's status JSON into sentences and exit codes; :class:`DoorClient`
@@ -31,6 +36,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import aiohttp
 
 from events.copy import say
+from hostmove import exitcodes
 from kernel.ports import Clock, WallClock
 from kernel.timetext import utc_text
 
@@ -38,15 +44,21 @@ ENV_URL = "HOSTMOVE_DOOR_URL"
 ENV_TOKEN = "HOSTMOVE_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8081"
 
-EXIT_DONE = 0
-EXIT_CONFIG = 2
-EXIT_ROLLED_BACK = 3
-EXIT_WAITING = 4
-EXIT_REFUSED = 5
+EXIT_DONE = exitcodes.OK
+EXIT_FAILED = exitcodes.FAILED
+EXIT_CONFIG = exitcodes.USAGE
+EXIT_ROLLED_BACK = exitcodes.ROLLED_BACK
+EXIT_WAITING = exitcodes.WAITING
+EXIT_REFUSED = exitcodes.REFUSED
+EXIT_UNAVAILABLE = exitcodes.UNAVAILABLE
+
+UNTIL = ("serving", "closed")
+"""``--until``: ``serving`` returns once the host serves on the target (or is back on the source) and the move
+goes on closing in the background; ``closed`` waits for the close (the move's parks, then ``last_move``)."""
 
 DEFAULT_TIMEOUT_S = 3600.0
-"""``--wait``'s default deadline: preparing alone may take many minutes, and the close waits for the
-late-completion horizon (§5.3, 15 min + the longest request) before it parks."""
+"""``--wait``'s default deadline: preparing alone may take many minutes, and ``--until closed`` waits for the
+late-completion horizon (§5.3, 15 min + the longest request) before the parks and the close."""
 DEFAULT_INTERVAL_S = 1.0
 REQUEST_TIMEOUT_S = 30.0
 PREPARE_BUDGET_S = 3600.0
@@ -59,7 +71,11 @@ class ConfigProblem(Exception):
 
 
 class DoorUnreachable(Exception):
-    """The door could not be reached, or answered with something that is not the door's JSON."""
+    """The door could not be reached (refused, reset, no answer in time): a dependency is unavailable."""
+
+
+class NotTheDoor(Exception):
+    """The server at the door's address answered with something that is not the door's JSON (configuration)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +132,18 @@ class Reply:
     def reason(self) -> str:
         return str(self.body.get("reason") or self.body.get("message") or f"the door answered {self.status}")
 
+    @property
+    def outage(self) -> bool:
+        """The door answered 503 for a read it could not make (NATS or the object store down), not for a corrupt
+        object (M-R30: that is a failure to fix, not an outage to wait out)."""
+        return self.status == 503 and self.body.get("copy") != "M-R30"
+
+    @property
+    def dependency(self) -> str:
+        """What the door says is down, when it names it (``dependency``), else ``""``."""
+        named = self.body.get("dependency") or self.body.get("dependencies") or ""
+        return ", ".join(str(d) for d in named) if isinstance(named, list) else str(named)
+
 
 class DoorClient:
     """The door's four move routes over HTTP with the bearer token (services/door/api.py)."""
@@ -144,8 +172,8 @@ class DoorClient:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise DoorUnreachable(f"the server at {where} answered {status} with something that is not the door's "
-                                  f"JSON; is {ENV_URL} the door's address?")
+            raise NotTheDoor(f"the server at {where} answered {status} with something that is not the door's "
+                             f"JSON; is {ENV_URL} the door's address?")
         return Reply(status, parsed)
 
     async def create(self, host: str, box: str) -> Reply:
@@ -265,8 +293,10 @@ def milestones(view: Mapping[str, Any], watch: Watch, now_ms: int) -> list[tuple
             out.append(("stuck", _sentence(f"{host} is stuck and waits for an operator: {reason}")))
         elif state == "stuck":
             out.append(("stuck", say("M-C11", host=host, to_region=dst, from_region=src)))
-        else:  # reverting, aborted: the door's line (M-S2, M-S7)
+        else:  # reverting, aborted: the door's line (M-S2, M-S8)
             out.append((f"state:{state}", str(view.get("message", ""))))
+            if state == "reverting" and rev_phase(view) == "opened":
+                out.append(("back", say("M-C9", host=host, from_region=src)))
         if reason and state not in ("stuck", "rolling_back", "restoring", "rolled_back"):  # M-C8 carries it
             out.append((f"reason:{reason}", _sentence(reason)))
     last = view.get("last_move") or {}
@@ -287,16 +317,62 @@ def _target_box(claim: Mapping[str, Any]) -> str:
     return str(parts[1]) if len(parts) > 1 else "the target box"
 
 
-def outcome(view: Mapping[str, Any], move_id: str) -> int | None:
-    """The exit code once the move has an outcome (§12), else ``None``: still going."""
+def rev_phase(view: Mapping[str, Any]) -> str:
+    """The source's recovery phase of a ``reverting`` move (``op.journal.rev_phase`` in the detail), or ``""``."""
+    detail = view.get("detail")
+    op = detail.get("op") if isinstance(detail, dict) else None
+    journal = op.get("journal") if isinstance(op, dict) else None
+    return str(journal.get("rev_phase") or "") if isinstance(journal, dict) else ""
+
+
+def serving_end(view: Mapping[str, Any], move_id: str) -> int | None:
+    """Where the live move ``move_id`` has left the host serving, before its close: :data:`EXIT_DONE` once the
+    target opened (committed, ``opened_at``), :data:`EXIT_ROLLED_BACK` once the source serves again (a
+    rollback's reopen, a reverted cut's open, or an abort, which never stopped it); ``None`` while it is offline
+    or still preparing."""
+    move = _move(view)
+    if move is None or move.get("id") != move_id:
+        return None
+    state = move.get("state")
+    rollback = move.get("rollback") or {}
+    if state in ("committed", "done") and move.get("opened_at") is not None:
+        return EXIT_DONE
+    if rollback.get("opened_at") is not None or state == "aborted":
+        return EXIT_ROLLED_BACK
+    if state == "reverting" and rev_phase(view) == "opened":
+        return EXIT_ROLLED_BACK
+    return None
+
+
+def outcome(view: Mapping[str, Any], move_id: str, until: str = "closed") -> int | None:
+    """The exit code once the move has an outcome (§12), else ``None``: still going. With ``until="serving"``
+    the outcome is where the host serves (:func:`serving_end`), before the close."""
     move = _move(view)
     if move is not None and move.get("id") == move_id and move.get("state") == "stuck":
         return EXIT_WAITING
+    if until == "serving" and (code := serving_end(view, move_id)) is not None:
+        return code
     last = view.get("last_move") or {}
     if move is None and last.get("id") == move_id:
         return {"done": EXIT_DONE, "rolled_back": EXIT_ROLLED_BACK, "aborted": EXIT_ROLLED_BACK}.get(
             str(last.get("outcome")), EXIT_WAITING)
     return None
+
+
+def closing_line(view: Mapping[str, Any], watch: Watch) -> str:
+    """What ``--until serving`` prints as it returns before the close: the move goes on closing, where, and how
+    to follow it to its end."""
+    move = _move(view) or watch.last
+    src, dst = str(move.get("from") or "the source region"), str(move.get("to") or "the target region")
+    moved = move.get("state") in ("committed", "done")
+    if moved:
+        what = f"{src} parks what {watch.host} left there once the late-completion horizon has passed"
+    elif move.get("state") == "aborted":
+        what = f"{dst} retires what the move staged there"
+    else:
+        what = f"{dst} parks what the move left there once the late-completion horizon has passed"
+    return (f"The move {watch.move_id} goes on closing in the background: {what}, then it closes. "
+            f"Follow it with: hostmove move watch --host {watch.host} --until closed")
 
 
 @dataclass(frozen=True)
@@ -394,29 +470,51 @@ def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
 # -- the command line ------------------------------------------------------------------------------
 
 
+def _follow_options(p: argparse.ArgumentParser, *, inherit: bool) -> None:
+    """``--until``, ``--timeout`` and ``--interval``. An action's copies (``inherit``) default to what ``move``
+    itself parsed, so ``move --timeout 5 watch`` and ``move watch --timeout 5`` mean the same."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if inherit else value
+
+    p.add_argument("--until", choices=UNTIL, default=default("serving"),
+                   help="serving (the default): return once the host serves on the target, or is back on the "
+                        "source, while the move goes on closing; closed: wait for the close (its parks)")
+    p.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
+                   help=f"seconds to follow the move before exiting {EXIT_WAITING} (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--interval", type=float, default=default(DEFAULT_INTERVAL_S),
+                   help=f"seconds between status reads while following (default {DEFAULT_INTERVAL_S:g})")
+
+
 def add_parser(subparsers: Any) -> None:
-    """Add ``move`` and its actions (``status``, ``cut``, ``abort``) to ``subparsers`` (spec §12 CLI)."""
+    """Add ``move`` and its actions (``watch``, ``status``, ``cut``, ``abort``) to ``subparsers`` (spec §12 CLI)."""
     mv = subparsers.add_parser(
-        "move", help="move a host to another region, or show, cut or abort its move",
-        description="Request a move (default: wait and show progress). Exit 0 done, 3 rolled back or aborted, "
-                    f"4 stuck or still waiting, 5 refused, 2 bad configuration. Environment: {ENV_URL} "
-                    f"(default {DEFAULT_URL}), {ENV_TOKEN} (the operator token).")
+        "move", help="move a host to another region; watch, show, cut or abort its move",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Request a move and follow it (the default) until the host serves on the target or is back on "
+                    "the source; the move then goes on closing in the background (--until closed waits for that). "
+                    f"Environment: {ENV_URL} (default {DEFAULT_URL}), {ENV_TOKEN} (the operator token).",
+        epilog=exitcodes.table_text())
     mv.add_argument("--host", help="the host to move")
     mv.add_argument("--to", help="the region to move it to")
     mv.add_argument("--manual-cut", action="store_true",
                     help="stop at ready and cut on `hostmove move cut` (default: cut on its own)")
     wait = mv.add_mutually_exclusive_group()
     wait.add_argument("--wait", dest="wait", action="store_true", default=True,
-                      help="follow the move until it ends (the default)")
+                      help="follow the move (the default); see --until")
     wait.add_argument("--no-wait", dest="wait", action="store_false", help="return once the move is accepted")
-    mv.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                    help=f"seconds --wait follows the move before exiting 4 (default {DEFAULT_TIMEOUT_S:g})")
-    mv.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
-                    help=f"seconds between status reads while waiting (default {DEFAULT_INTERVAL_S:g})")
-    actions = mv.add_subparsers(dest="move_action", required=False, metavar="{status,cut,abort}")
-    st = actions.add_parser("status", help="the move's phase, reasons and timings")
+    _follow_options(mv, inherit=False)
+    actions = mv.add_subparsers(dest="move_action", required=False, metavar="{watch,status,cut,abort}")
+    wt = actions.add_parser("watch", help="follow a move another command started, printing its progress",
+                            epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    wt.add_argument("--host", required=True)
+    _follow_options(wt, inherit=True)
+    st = actions.add_parser("status", help="the move's phase, reasons and timings (--watch: follow it)",
+                            epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("--host", required=True)
     st.add_argument("--json", action="store_true", help="print the door's JSON as it answered")
+    st.add_argument("--watch", action="store_true", help="then follow the move as `hostmove move watch` does")
+    _follow_options(st, inherit=True)
     for name, text in (("cut", "cut a manual move that is ready"),
                        ("abort", "abort a move in preparing, ready, or with its cut only requested")):
         p = actions.add_parser(name, help=text)
@@ -427,7 +525,18 @@ def _print(text: str, stream: TextIO) -> None:
     print(text, file=stream, flush=True)
 
 
-def _refused(reply: Reply, err: TextIO) -> int:
+def not_ok(reply: Reply, err: TextIO) -> int:
+    """Print why the door did not carry a request out and answer its exit code: a refusal (its sentence), an
+    outage (a 503: the door could not read what it depends on; nothing was decided), or a failure."""
+    if reply.outage:
+        down = reply.dependency
+        where = f"{down} is unavailable" if down else "a dependency of the door is unavailable"
+        _print(f"hostmove move: {where}, so the door decided nothing: {reply.reason} (exit {EXIT_UNAVAILABLE}: "
+               "repeat the command once it is back)", err)
+        return EXIT_UNAVAILABLE
+    if reply.status >= 500:  # a corrupt object (M-R30), an internal error (M-R31): nothing to wait out
+        _print(reply.reason, err)
+        return EXIT_FAILED
     if reply.body.get("copy") == "M-R1":
         _print(f"The door answered Not found: it gives that answer to any request without a valid operator token. "
                f"Check {ENV_TOKEN} (a status-only token cannot request, cut or abort).", err)
@@ -438,7 +547,7 @@ def _refused(reply: Reply, err: TextIO) -> int:
 
 async def run(args: argparse.Namespace, *, clock: Clock | None = None,
               environ: Mapping[str, str] | None = None) -> int:
-    """Run ``hostmove move ...`` from parsed ``args``; returns the exit code (§12)."""
+    """Run ``hostmove move ...`` from parsed ``args``; returns the exit code (:mod:`hostmove.exitcodes`)."""
     out, err = sys.stdout, sys.stderr
     clock = clock or WallClock()
     action = getattr(args, "move_action", None)
@@ -446,9 +555,11 @@ async def run(args: argparse.Namespace, *, clock: Clock | None = None,
         _print("hostmove move: --host is required", err)
         return EXIT_CONFIG
     if action is None and not getattr(args, "to", None):
-        _print("hostmove move: --to is required to request a move (or use status, cut or abort)", err)
+        _print("hostmove move: --to is required to request a move (or use watch, status, cut or abort)", err)
         return EXIT_CONFIG
-    if action is None and (args.timeout < 0 or args.interval <= 0):
+    following = action in (None, "watch") or (action == "status" and getattr(args, "watch", False))
+    if following and (getattr(args, "timeout", DEFAULT_TIMEOUT_S) < 0
+                      or getattr(args, "interval", DEFAULT_INTERVAL_S) <= 0):
         _print("hostmove move: --timeout must be 0 or more and --interval more than 0 seconds", err)
         return EXIT_CONFIG
     try:
@@ -461,36 +572,77 @@ async def run(args: argparse.Namespace, *, clock: Clock | None = None,
         try:
             if action == "status":
                 return await _status(door, args, clock, out, err)
+            if action == "watch":
+                return await _watch(door, args, clock, out, err)
             if action in ("cut", "abort"):
                 reply = await (door.cut(args.host) if action == "cut" else door.abort(args.host))
                 if not reply.ok:
-                    return _refused(reply, err)
+                    return not_ok(reply, err)
                 note = "" if reply.body.get("changed", True) else " (it already was)"
                 _print(str(reply.body.get("message", "")) + note, out)
                 return EXIT_DONE
             return await _request(door, args, clock, out, err)
         except DoorUnreachable as exc:
+            _print(f"hostmove move: {exc} (exit {EXIT_UNAVAILABLE}: nothing was sent; repeat the command once the "
+                   "door answers)", err)
+            return EXIT_UNAVAILABLE
+        except NotTheDoor as exc:
             _print(f"hostmove move: {exc}", err)
             return EXIT_CONFIG
+
+
+def _following(args: argparse.Namespace) -> dict[str, Any]:
+    return {"until": getattr(args, "until", "serving"), "timeout_s": getattr(args, "timeout", DEFAULT_TIMEOUT_S),
+            "interval_s": getattr(args, "interval", DEFAULT_INTERVAL_S)}
 
 
 async def _status(door: DoorClient, args: argparse.Namespace, clock: Clock, out: TextIO, err: TextIO) -> int:
     reply = await door.status(args.host)
     if not reply.ok:
-        return _refused(reply, err)
-    if getattr(args, "json", False):
-        _print(json.dumps(reply.body, indent=2, sort_keys=True), out)
-    else:
-        for line in status_lines(reply.body, clock.now_ms()):
-            _print(line, out)
+        return not_ok(reply, err)
+    lines = [json.dumps(reply.body, indent=2, sort_keys=True)] if getattr(args, "json", False) else status_lines(
+        reply.body, clock.now_ms())
+    for line in lines:
+        _print(line, out)
+    if getattr(args, "watch", False):
+        return await _watch_from(door, args.host, reply.body, clock, out=out, err=err, said=set(lines),
+                                 **_following(args))
     return EXIT_DONE
+
+
+async def _watch(door: DoorClient, args: argparse.Namespace, clock: Clock, out: TextIO, err: TextIO) -> int:
+    """``hostmove move watch --host H``: follow the move someone else started, as ``--wait`` does."""
+    reply = await door.status(args.host)
+    if not reply.ok:
+        return not_ok(reply, err)
+    return await _watch_from(door, args.host, reply.body, clock, out=out, err=err, **_following(args))
+
+
+async def _watch_from(door: DoorClient, host: str, view: Mapping[str, Any], clock: Clock, *, until: str,
+                      timeout_s: float, interval_s: float, out: TextIO, err: TextIO, said: set[str] | None = None
+                      ) -> int:
+    move = _move(view)
+    last = view.get("last_move") or {}
+    if move is None:  # nothing live: the last move's outcome, or nothing to follow
+        if last.get("id"):
+            _print(say("M-S5", host=host, move_id=str(last["id"]), outcome=str(last.get("outcome")).replace("_", " ")),
+                   out)
+            return outcome(view, str(last["id"])) or EXIT_DONE
+        _print(f"{say('M-R19', host=host)} There is nothing to watch; start one with hostmove move --host {host} "
+               "--to <region>.", err)
+        return EXIT_FAILED
+    move_id = str(move.get("id", ""))
+    _print(f"Following move {move_id} of {host} from {move.get('from') or '?'} to {move.get('to') or '?'} "
+           f"(requested by {move.get('requested_by') or '-'} at {utc_text(move.get('requested_at'))}).", out)
+    return await follow(door, host, move_id, view, clock, until=until, timeout_s=timeout_s, interval_s=interval_s,
+                        out=out, err=err, said=said)
 
 
 async def _request(door: DoorClient, args: argparse.Namespace, clock: Clock, out: TextIO, err: TextIO) -> int:
     host = args.host
     reply = await door.request_move(host, args.to, "manual" if args.manual_cut else "auto")
     if not reply.ok:
-        return _refused(reply, err)
+        return not_ok(reply, err)
     move = reply.body.get("move") or {}
     move_id = str(move.get("id", ""))
     _print(say("M-C1", host=host, from_region=move.get("from", "?"), to_region=move.get("to", args.to)), out)
@@ -498,25 +650,32 @@ async def _request(door: DoorClient, args: argparse.Namespace, clock: Clock, out
         _print(f"(This move, {move_id}, was already requested; following it.)", out)
     if not args.wait:
         return EXIT_DONE
-    return await follow(door, host, move_id, reply.body, clock, timeout_s=args.timeout,
-                        interval_s=args.interval, out=out, err=err)
+    return await follow(door, host, move_id, reply.body, clock, out=out, err=err, **_following(args))
 
 
 async def follow(door: DoorClient, host: str, move_id: str, first: Mapping[str, Any], clock: Clock, *,
-                 timeout_s: float, interval_s: float, out: TextIO, err: TextIO) -> int:
-    """``--wait`` (§12): read the status until the move has an outcome or ``timeout_s`` passes; print each
-    new step once. A failed read is retried until the deadline (the move goes on without us)."""
+                 timeout_s: float, interval_s: float, out: TextIO, err: TextIO, until: str = "serving",
+                 said: set[str] | None = None) -> int:
+    """``--wait`` and ``watch`` (§12): read the status until the move has an outcome (``until="serving"``: the
+    host serves on the target or is back on the source; ``"closed"``: the close) or ``timeout_s`` passes; print
+    each new step once. A failed read is retried until the deadline (the move goes on without us); a deadline
+    reached while the door could not answer is an outage, not a wait. ``said``: sentences already on the screen
+    (``status --watch``'s lines), not printed again."""
     watch = Watch(host, move_id)
     deadline = clock.monotonic() + timeout_s
     view: Mapping[str, Any] = first
     trouble = ""
+    outage = False
     while True:
         for key, sentence in milestones(view, watch, clock.now_ms()):
             if key not in watch.seen and sentence:
                 watch.seen.add(key)
-                _print(sentence, out)
-        code = outcome(view, move_id)
+                if sentence not in (said or ()):
+                    _print(sentence, out)
+        code = outcome(view, move_id, until)
         if code is not None:
+            if until == "serving" and code != EXIT_WAITING and serving_end(view, move_id) is not None:
+                _print(closing_line(view, watch), out)
             return code
         left = deadline - clock.monotonic()
         if left <= 0:
@@ -524,26 +683,34 @@ async def follow(door: DoorClient, host: str, move_id: str, first: Mapping[str, 
         await clock.sleep(min(interval_s, left))
         try:
             reply = await door.status(host, timeout_s=min(REQUEST_TIMEOUT_S, max(deadline - clock.monotonic(), 1.0)))
-        except DoorUnreachable as exc:
+        except (DoorUnreachable, NotTheDoor) as exc:
+            outage = isinstance(exc, DoorUnreachable)
             if str(exc) != trouble:
                 trouble = str(exc)
                 _print(f"hostmove move: {trouble}; retrying until the deadline", err)
             continue
         if not reply.ok:
+            outage = reply.outage
             if reply.reason != trouble:
                 trouble = reply.reason
                 _print(f"hostmove move: the status read failed: {trouble}", err)
             continue
-        trouble = ""
+        trouble, outage = "", False
         view = reply.body
     state = (watch.last or {}).get("state", "unknown")
+    if outage:
+        _print(f"The door could not tell where the move {move_id} of {host} is for the last reads ({trouble}); "
+               f"it was {state}. It goes on without this command; follow it with hostmove move watch --host {host} "
+               "once the door answers.", err)
+        return EXIT_UNAVAILABLE
     _print(f"Still waiting after {_secs(timeout_s * 1000)} s: the move {move_id} of {host} is {state}. It goes on "
-           f"without this command; follow it with hostmove move status --host {host}.", err)
+           f"without this command; follow it with hostmove move watch --host {host}.", err)
     return EXIT_WAITING
 
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "ConfigProblem", "DoorClient", "DoorConfig",
-    "DoorUnreachable", "Reply", "Timing", "Watch", "add_parser", "follow", "load_config", "milestones",
-    "offline_ms", "outcome", "redact_url", "run", "status_lines", "timings",
+    "DEFAULT_TIMEOUT_S", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "UNTIL", "ConfigProblem", "DoorClient",
+    "DoorConfig", "DoorUnreachable", "NotTheDoor", "Reply", "Timing", "Watch", "add_parser", "closing_line",
+    "follow", "load_config", "milestones", "not_ok", "offline_ms", "outcome", "redact_url", "rev_phase", "run",
+    "serving_end", "status_lines", "timings",
 ]

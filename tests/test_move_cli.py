@@ -14,6 +14,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor, Record
 from events.copy import say
 from events.record import LastMove, Rollback
-from hostmove import move_cli
+from hostmove import exitcodes, move_cli
 from hostmove.stackinfo import StackInfo
 from kernel.ports import ManualClock, SystemRandom, WallClock
 from services.box.roster import init_box
@@ -258,11 +259,12 @@ async def test_a_missing_or_wrong_token_never_acts_and_is_never_echoed(env: Env)
     assert code == 0 and say("M-S6", host=host, box="ie-1") in text, "a status-only token reads the status"
 
 
-async def test_an_unreachable_door_is_a_configuration_problem_without_secrets(env: Env) -> None:
+async def test_an_unreachable_door_is_an_outage_and_a_wrong_url_a_configuration_problem(env: Env) -> None:
     args = argparse.Namespace(move_action="status", host="h.example.com", json=False)
     environ = {move_cli.ENV_URL: "http://127.0.0.1:9", move_cli.ENV_TOKEN: OPERATOR}
     code, text = await run_captured(args, environ, env.clock)
-    assert code == move_cli.EXIT_CONFIG and "could not reach the door at http://127.0.0.1:9 (" in text
+    assert code == move_cli.EXIT_UNAVAILABLE == exitcodes.UNAVAILABLE, text
+    assert "could not reach the door at http://127.0.0.1:9 (" in text and "refused" not in text.split("(")[0]
     environ = {move_cli.ENV_URL: f"http://user:{WRONG}@127.0.0.1:9", move_cli.ENV_TOKEN: OPERATOR}
     code, text = await run_captured(args, environ, env.clock)
     assert code == move_cli.EXIT_CONFIG and "must not carry a user or password ('http://127.0.0.1:9')" in text
@@ -362,8 +364,8 @@ async def test_wait_follows_a_move_to_done_printing_each_step_once(env: Env) -> 
         lambda: env.close(host, "done"),
     ]
     driver = asyncio.create_task(drive(env, host, steps))
-    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05", "--timeout", "30"],
-                               clock=WallClock())
+    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05", "--timeout", "30",
+                                "--until", "closed"], clock=WallClock())
     await driver
     assert code == 0, text
     move_id = (await env.ledger.read_record(host)).state.last_move.id  # type: ignore[union-attr]
@@ -393,7 +395,8 @@ async def test_wait_exits_3_after_a_rollback_and_4_when_stuck(env: Env) -> None:
         lambda: env.close(host, "rolled_back"),
     ]
     driver = asyncio.create_task(drive(env, host, steps))
-    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05"], clock=WallClock())
+    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05", "--until", "closed"],
+                               clock=WallClock())
     await driver
     assert code == move_cli.EXIT_ROLLED_BACK, text
     lines = text.splitlines()
@@ -487,8 +490,8 @@ async def test_the_cli_follows_a_real_move_of_a_running_instance_to_done(
 
             driver = asyncio.create_task(boxes())
             code, text = await cli(f"http://127.0.0.1:{server.port}",
-                                   ["move", "--host", r.host, "--to", "uk", "--interval", "0.1", "--timeout", "45"],
-                                   OPERATOR, WallClock())
+                                   ["move", "--host", r.host, "--to", "uk", "--interval", "0.1", "--timeout", "45",
+                                    "--until", "closed"], OPERATOR, WallClock())
             outcome = await driver
         finally:
             await server.close()
@@ -504,3 +507,216 @@ async def test_the_cli_follows_a_real_move_of_a_running_instance_to_done(
         if moved:  # printed when a status read fell between the open and the close
             seconds = float(moved[0].split("offline for ")[1].split(" seconds")[0])
             assert 0 < seconds < 45
+
+
+# -- --wait returns once the host serves; watch follows a move someone else started ---------------------
+
+
+def moved_steps(env: Env, host: str) -> list[Callable[[], Any]]:
+    t = env.clock.now_ms()
+    return [
+        lambda: env.step(host, state="ready", ready_at=t + 1000),
+        lambda: env.step(host, state="cutting", cut_phase="admitted", cut_at=t + 2000, cut_budget_s=12.0),
+        lambda: env.step(host, state="landing", cut_phase="flipped", flipped_at=t + 4000),
+        lambda: env.step(host, state="committed", committed_at=t + 6000),
+        lambda: env.step(host, opened_at=t + 9000),
+    ]
+
+
+async def test_wait_returns_once_the_host_serves_on_the_target_and_says_the_move_goes_on_closing(env: Env) -> None:
+    host = await env.create()
+    env.drain()
+    driver = asyncio.create_task(drive(env, host, moved_steps(env, host)))
+    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05", "--timeout", "30"],
+                               clock=WallClock())
+    await driver
+    assert code == exitcodes.OK, text
+    record = (await env.ledger.read_record(host)).state
+    assert record is not None and record.move is not None and record.last_move is None, "returned before the close"
+    lines = text.splitlines()
+    assert lines[-2] == say("M-C7", host=host, to_region="uk", seconds="7")
+    assert lines[-1] == (f"The move {record.move.id} goes on closing in the background: ie parks what {host} left "
+                         "there once the late-completion horizon has passed, then it closes. Follow it with: "
+                         f"hostmove move watch --host {host} --until closed")
+    assert not any(ln.startswith("The last move of") for ln in lines)
+
+    env.drain()  # the close, followed by watch --until closed
+    driver = asyncio.create_task(drive(env, host, [lambda: env.close(host, "done")]))
+    code, text = await env.cli(["move", "watch", "--host", host, "--until", "closed", "--interval", "0.05"],
+                               clock=WallClock())
+    await driver
+    assert code == exitcodes.OK, text
+    assert text.splitlines()[-1] == say("M-S5", host=host, move_id=record.move.id, outcome="done")
+
+
+async def test_wait_returns_3_once_the_source_serves_again_after_a_rollback(env: Env) -> None:
+    host = await env.create()
+    env.drain()
+    t = env.clock.now_ms()
+    rb = Rollback(id="rb_" + "b" * 26, requested_at=t + 5000, reason="the probe failed three times")
+    steps = [
+        lambda: env.step(host, state="cutting", cut_phase="admitted", cut_at=t + 1000, cut_budget_s=12.0),
+        lambda: env.step(host, state="landing", cut_phase="flipped", flipped_at=t + 2000),
+        lambda: env.step(host, state="rolling_back", rollback=rb, reason=rb.reason),
+        lambda: env.step(host, state="restoring", rollback=msgspec.structs.replace(rb, opened_at=t + 20_000)),
+    ]
+    driver = asyncio.create_task(drive(env, host, steps))
+    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05"], clock=WallClock())
+    await driver
+    assert code == exitcodes.ROLLED_BACK, text
+    lines = text.splitlines()
+    assert lines[-2] == say("M-C9", host=host, from_region="ie")
+    assert lines[-1].startswith("The move ") and "uk parks what the move left there" in lines[-1]
+
+
+async def test_wait_returns_3_at_an_abort_the_host_never_stopped_serving(env: Env) -> None:
+    host = await env.create()
+    env.drain()
+
+    async def abort() -> int:
+        code, _ = await env.cli(["move", "abort", "--host", host])
+        assert code == 0
+        return (await env.ledger.read_record(host)).state.gen  # type: ignore[union-attr]
+
+    driver = asyncio.create_task(drive(env, host, [abort]))
+    code, text = await env.cli(["move", "--host", host, "--to", "uk", "--interval", "0.05"], clock=WallClock())
+    await driver
+    assert code == exitcodes.ROLLED_BACK, text
+    lines = text.splitlines()
+    assert say("M-S2", host=host, from_region="ie") in lines
+    assert "uk retires what the move staged there" in lines[-1]
+
+
+@pytest.mark.parametrize("argv", [["move", "watch"], ["move", "status", "--watch"]])
+async def test_watch_follows_a_move_another_command_started(env: Env, argv: list[str]) -> None:
+    host = await env.create()
+    code, _ = await env.cli(["move", "--host", host, "--to", "uk", "--no-wait"])
+    assert code == 0
+    move_id = (await env.ledger.read_record(host)).state.move.id  # type: ignore[union-attr]
+    env.drain()
+    driver = asyncio.create_task(drive(env, host, moved_steps(env, host)))
+    code, text = await env.cli([*argv, "--host", host, "--interval", "0.05", "--timeout", "30"], clock=WallClock())
+    await driver
+    assert code == exitcodes.OK, text
+    lines = text.splitlines()
+    assert f"Following move {move_id} of {host} from ie to uk (requested by alice at " in text
+    for sentence in (say("M-C2", host=host), say("M-S4", host=host), say("M-C6", from_region="ie", to_region="uk"),
+                     say("M-C7", host=host, to_region="uk", seconds="7")):
+        assert lines.count(sentence) == 1, (sentence, text)
+    assert lines[-1].startswith(f"The move {move_id} goes on closing in the background")
+
+
+async def test_watch_without_a_live_move_says_so_and_after_the_close_gives_the_outcome(env: Env) -> None:
+    host = await env.create()
+    code, text = await env.cli(["move", "watch", "--host", host])
+    assert code == exitcodes.FAILED and say("M-R19", host=host) in text and "nothing to watch" in text
+    code, _ = await env.cli(["move", "--host", host, "--to", "uk", "--no-wait"])
+    assert code == 0
+    move_id = (await env.ledger.read_record(host)).state.move.id  # type: ignore[union-attr]
+    await env.close(host, "rolled_back")
+    code, text = await env.cli(["move", "watch", "--host", host])
+    assert (code, text.strip()) == (exitcodes.ROLLED_BACK, say("M-S5", host=host, move_id=move_id,
+                                                               outcome="rolled back"))
+
+
+def test_the_follow_options_mean_the_same_before_and_after_the_action() -> None:
+    parser = argparse.ArgumentParser(prog="hostmove")
+    move_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    before = parser.parse_args(["move", "--timeout", "5", "--until", "closed", "watch", "--host", "h"])
+    after = parser.parse_args(["move", "watch", "--host", "h", "--timeout", "5", "--until", "closed"])
+    plain = parser.parse_args(["move", "watch", "--host", "h"])
+    assert (before.timeout, before.until) == (after.timeout, after.until) == (5.0, "closed")
+    assert (plain.timeout, plain.until, plain.interval) == (move_cli.DEFAULT_TIMEOUT_S, "serving", 1.0)
+    assert parser.parse_args(["move", "--host", "h", "--to", "uk"]).until == "serving"
+
+
+def test_serving_end_of_each_way_a_move_leaves_the_host_serving() -> None:
+    def view(state: str, **move: Any) -> dict[str, Any]:
+        return {"move": {"id": "mv_1", "state": state, **move}, "last_move": None}
+
+    assert move_cli.serving_end(view("committed"), "mv_1") is None, "committed, not yet opened"
+    assert move_cli.serving_end(view("committed", opened_at=5), "mv_1") == exitcodes.OK
+    assert move_cli.serving_end(view("rolling_back", rollback={"id": "rb"}), "mv_1") is None
+    assert move_cli.serving_end(view("restoring", rollback={"opened_at": 9}), "mv_1") == exitcodes.ROLLED_BACK
+    assert move_cli.serving_end(view("aborted"), "mv_1") == exitcodes.ROLLED_BACK
+    reverting = view("reverting") | {"detail": {"move": {"id": "mv_1", "state": "reverting", "from": "ie"},
+                                                "op": {"journal": {"rev_phase": "probing"}}}}
+    assert move_cli.serving_end(reverting, "mv_1") is None
+    reverting["detail"]["op"]["journal"]["rev_phase"] = "opened"
+    assert move_cli.serving_end(reverting, "mv_1") == exitcodes.ROLLED_BACK
+    assert ("back", say("M-C9", host="h", from_region="ie")) in move_cli.milestones(
+        reverting, move_cli.Watch("h", "mv_1"), 0)
+    assert move_cli.serving_end(view("committed", opened_at=5), "mv_2") is None, "another move"
+    assert move_cli.outcome(view("committed", opened_at=5), "mv_1") is None, "--until closed waits for the close"
+    assert move_cli.outcome(view("committed", opened_at=5), "mv_1", "serving") == exitcodes.OK
+
+
+# -- outages: their own exit code, never "refused" --------------------------------------------------------
+
+
+@asynccontextmanager
+async def answering(status: int, body: dict[str, Any]) -> AsyncIterator[str]:
+    """A stand-in door that answers every route with ``status`` and ``body`` (the door's 503s and 500s)."""
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+async def test_a_door_answering_503_for_a_dependency_is_an_outage_never_a_refusal(env: Env) -> None:
+    down = {"error": "unavailable", "copy": "M-R18", "dependency": "NATS",
+            "reason": say("M-R18", what="The claim of h.example.com")}
+    async with answering(503, down) as url:
+        for argv in (["move", "--host", "h.example.com", "--to", "uk"], ["move", "status", "--host", "h.example.com"],
+                     ["move", "watch", "--host", "h.example.com"], ["move", "cut", "--host", "h.example.com"]):
+            code, text = await cli(url, argv, OPERATOR, env.clock)
+            assert code == exitcodes.UNAVAILABLE, (argv, text)
+            assert text.startswith("hostmove move: NATS is unavailable, so the door decided nothing: ") and (
+                say("M-R18", what="The claim of h.example.com") in text), text
+    unnamed = {k: v for k, v in down.items() if k != "dependency"}
+    async with answering(503, unnamed) as url:
+        code, text = await cli(url, ["move", "status", "--host", "h.example.com"], OPERATOR, env.clock)
+        assert code == exitcodes.UNAVAILABLE and "a dependency of the door is unavailable" in text
+    corrupt = {"error": "unavailable", "copy": "M-R30", "reason": say("M-R30", what="The claim of h.example.com")}
+    async with answering(503, corrupt) as url:
+        code, text = await cli(url, ["move", "status", "--host", "h.example.com"], OPERATOR, env.clock)
+        assert (code, text.strip()) == (exitcodes.FAILED, corrupt["reason"]), "a corrupt object is no outage"
+    async with answering(500, {"error": "internal", "copy": "M-R31", "reason": say("M-R31")}) as url:
+        code, text = await cli(url, ["move", "abort", "--host", "h.example.com"], OPERATOR, env.clock)
+        assert code == exitcodes.FAILED and text.strip() == say("M-R31")
+
+
+async def test_a_door_that_goes_away_while_waiting_ends_as_an_outage_at_the_deadline(env: Env) -> None:
+    host = await env.create()
+    door = env.url
+    reply_body: dict[str, Any] = {}
+
+    class Gone(move_cli.DoorClient):
+        async def status(self, host: str, timeout_s: float = 30.0) -> move_cli.Reply:
+            raise move_cli.DoorUnreachable("could not reach the door at http://127.0.0.1:9 (Connection refused)")
+
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        real = move_cli.DoorClient(move_cli.DoorConfig(door, OPERATOR), session)
+        accepted = await real.request_move(host, "uk", "auto")
+        assert accepted.ok
+        reply_body = accepted.body
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stderr(buf):
+            code = await move_cli.follow(Gone(real.config, session), host, str(reply_body["move"]["id"]), reply_body,
+                                         WallClock(), timeout_s=0.3, interval_s=0.05, out=io.StringIO(), err=buf)
+    assert code == exitcodes.UNAVAILABLE, buf.getvalue()
+    lines = buf.getvalue().splitlines()
+    assert lines[0].endswith("retrying until the deadline") and len(lines) == 2, "each trouble said once"
+    assert lines[-1].startswith("The door could not tell where the move") and "preparing" in lines[-1]
