@@ -5,11 +5,12 @@
     hostmove audit [--host H]          replay the ledger stream and check it against S3
     hostmove probe                     run the object-store conformance probe
     hostmove demo                      the main job on the embedded default
-    hostmove move --host H --to R      ask the door to move a host (also: move status|cut|abort --host H)
+    hostmove move --host H --to R      ask the door to move a host (also: move watch|status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
 
-Exit codes: 0 done, 1 a finding or refusal, 2 bad usage or configuration, 3 the store failed the
-conformance probe.
+Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
+outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it
+(:func:`main`), never a refusal.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hostmove import exitcodes
 from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runtime
 
 SERVICES = ("relay", "projections", "door", "recovery", "box")
@@ -36,7 +38,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from hostmove.stack import StackError, stack_down, stack_status, stack_up
+    from hostmove.stack import StackError, stack_down, stack_problems, stack_status, stack_up
 
     root = Path(args.root)
     try:
@@ -51,30 +53,32 @@ def cmd_stack(args: argparse.Namespace) -> int:
         else:
             status = stack_status(root)
             print(json.dumps(status, indent=2, default=str))
-            return 0 if status.get("healthy") else 1
+            problems = stack_problems(status)
+            for line in problems:
+                print(f"stack status: {line}", file=sys.stderr)
+            return exitcodes.UNAVAILABLE if problems else exitcodes.OK
     except StackError as exc:
         print(f"stack {args.action} failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return exitcodes.FAILED
+    return exitcodes.OK
 
 
 async def _audit(args: argparse.Namespace) -> int:
-    from services.ledger.audit import run_audit
+    from services.ledger.audit import run_audit, verdict
 
     rt = await open_runtime(load_settings(Path(args.root)), "audit", probe=False)
     try:
         check = await run_audit(rt.events, rt.ledger, host=args.host, protocol=not args.no_protocol)
     finally:
         await rt.close()
+    said, line = verdict(check, host=args.host, strict=args.strict)
+    if said == "unavailable":
+        print(f"hostmove: {line}", file=sys.stderr)
+        return exitcodes.UNAVAILABLE
     for finding in check.findings:
         print(finding.line())
-    clean = check.clean(strict=args.strict)
-    scope = f"host {args.host}" if args.host else "every host"
-    print(
-        f"audit of {scope}: {check.messages} events, {len(check.tracks)} objects, "
-        f"{sum(f.severity == 'error' for f in check.findings)} errors: {'clean' if clean else 'NOT clean'}"
-    )
-    return 0 if clean else 1
+    print(line, file=sys.stderr if said == "no-history" else sys.stdout)
+    return exitcodes.OK if said == "clean" else exitcodes.FAILED
 
 
 async def _probe(args: argparse.Namespace) -> int:
@@ -101,7 +105,7 @@ async def _box(args: argparse.Namespace) -> int:
         )
     except RosterRefusal as exc:
         print(f"box init refused: {exc}", file=sys.stderr)
-        return 1
+        return exitcodes.REFUSED
     finally:
         await rt.close()
     print(f"box {init.label} in region {init.region}: {init.box_dir} (secrets key {init.secrets_key_fp}, "
@@ -126,13 +130,13 @@ async def _box_wake(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - the operator's words: which box did not answer, and why
             print(f"{args.host} was not woken: box {args.label}'s agent did not answer ({type(exc).__name__}); "
                   "is `hostmove serve box --label` running?", file=sys.stderr)
-            return 1
+            return exitcodes.UNAVAILABLE
     finally:
         await rt.close()
     body = json.loads(reply.data)
     if "error" in body:
         print(f"{args.host} was not woken: {body['error']}", file=sys.stderr)
-        return 1
+        return exitcodes.REFUSED
     try:
         box_dir = load_box(settings.root, args.label).box_dir
     except BoxConfigError:
@@ -143,7 +147,7 @@ async def _box_wake(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             print(f"{args.host} is not served on box {args.label} after {args.wait:g} s: the box serves only a host "
                   "whose claim names it; see its agent's log for why not", file=sys.stderr)
-            return 1
+            return exitcodes.WAITING
         await asyncio.sleep(0.1)
     print(f"{args.host} is served on box {args.label} at 127.0.0.1:{port}")
     return 0
@@ -158,7 +162,7 @@ async def _box_fence(args: argparse.Namespace) -> int:
     if not args.terminated:
         print(f"box {args.label} was not fenced: fencing kills every process of the box and it never acts or "
               "registers again; pass --terminated to confirm", file=sys.stderr)
-        return 2
+        return exitcodes.USAGE
     settings = load_settings(Path(args.root))
     rt = await open_runtime(settings, "cli", probe=False)
     try:
@@ -167,7 +171,7 @@ async def _box_fence(args: argparse.Namespace) -> int:
                                          rt.store, settings.bucket, rng=rt.rng, clock=rt.clock)))
     except (FenceRefused, RosterRefusal) as exc:
         print(f"box {args.label} was not fenced: {exc}", file=sys.stderr)
-        return 1
+        return exitcodes.REFUSED
     finally:
         await rt.close()
     print(f"box {fence.label} ({fence.region}) is fenced: {fence.evidence}. Its hosts relocate to a box of region "
@@ -189,18 +193,18 @@ async def _host(args: argparse.Namespace) -> int:
         if entry is None:
             print(f"{args.host} was not created: box {args.box} is not in the roster "
                   "(run `hostmove box init` on it first).", file=sys.stderr)
-            return 1
+            return exitcodes.REFUSED
         if entry.fenced_at is not None:
             print(f"{args.host} was not created: box {args.box} was fenced (gone for good); create it on a live box "
                   f"of {entry.region}.", file=sys.stderr)
-            return 1
+            return exitcodes.REFUSED
         out = await create_host(rt.ledger, args.host, box=entry.label, region=entry.region,
                                 incarnation=new_incarnation(rt.rng), causation="cli:host-create")
     finally:
         await rt.close()
     if isinstance(out, Refusal):
         print(f"{args.host} was not created: {out.reason}", file=sys.stderr)
-        return 1
+        return exitcodes.REFUSED
     print(f"{args.host} is serving on {entry.label} ({entry.region}), claim gen {out.state.gen}")
     return 0
 
@@ -218,7 +222,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hostmove", description="Move a running app instance between regions.")
+    p = argparse.ArgumentParser(prog="hostmove", description="Move a running app instance between regions.",
+                                epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--root", default=str(DEFAULT_ROOT), help="the embedded stack's directory (default .hostmove)"
     )
@@ -276,12 +281,91 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "box": _box,
                   "host": _host, "move": move_cli.run}[args.command]
-        return asyncio.run(runner(args))
+        try:
+            return asyncio.run(runner(args))
+        except BaseException as exc:  # noqa: BLE001 - an outage is answered in the operator's words, never a trace
+            code = _outage(exc, args)
+            if code is None:
+                raise
+            return code
     except ConfigError as exc:
         print(f"hostmove: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.USAGE
     except KeyboardInterrupt:
-        return 130
+        return exitcodes.INTERRUPTED
+
+
+def _outage(exc: BaseException, args: argparse.Namespace) -> int | None:
+    """The exit code and the sentence for a dependency that failed under a command: NATS unreachable or not
+    answering (:class:`bus.log.LogError`, the client's own errors), the object store unreachable or answering 5xx
+    (:class:`StoreError`), credentials it rejects (configuration), or a store that failed the conformance probe
+    (told apart from a store that is simply down). ``None``: not a dependency's failure."""
+    from nats.errors import Error as NatsError
+    from nats.js.errors import APIError
+
+    from bus.log import LogError
+    from services.objstore.port import AccessDenied, StoreError
+    from services.objstore.probe import PROBE_EXIT_CODE
+
+    def say(text: str) -> None:  # a service's lines are JSON (hostmove.logs); a command's are the operator's
+        if args.command == "serve":
+            logging.getLogger("hostmove").error(text)
+        else:
+            print(f"hostmove: {text}", file=sys.stderr)
+
+    again = "Try again once it answers (the embedded stack: `hostmove stack status`)"
+    try:
+        settings = load_settings(Path(args.root))
+        nats, s3 = f"NATS at {settings.nats_url}", f"the object store at {settings.s3_endpoint}"
+    except ConfigError:
+        nats, s3 = "NATS", "the object store"
+    if isinstance(exc, SystemExit) and exc.code == PROBE_EXIT_CODE:
+        down = _store_down(args)
+        if down:
+            say(f"{s3} is unavailable ({down}). {again}")
+            return exitcodes.UNAVAILABLE
+        say("the object store answered but failed the conformance probe (above): it cannot give the guarantees "
+            "moves rely on")
+        return exitcodes.NONCONFORMING
+    if isinstance(exc, AccessDenied):
+        say(f"the object store refused these credentials ({exc}); check HOSTMOVE_S3_ACCESS_KEY and "
+            "HOSTMOVE_S3_SECRET_KEY")
+        return exitcodes.USAGE
+    if isinstance(exc, StoreError):
+        say(f"{s3} is unavailable ({exc}); nothing more was done. {again}")
+        return exitcodes.UNAVAILABLE
+    if isinstance(exc, APIError) and exc.code != 503:
+        return None  # JetStream answered: a defect to see in full, not an outage
+    if isinstance(exc, LogError | NatsError):
+        say(f"{nats} is unavailable ({str(exc) or type(exc).__name__}); nothing more was done. {again}")
+        return exitcodes.UNAVAILABLE
+    return None
+
+
+def _store_down(args: argparse.Namespace) -> str:
+    """After a failed conformance probe: why the store does not answer at all (an outage), or ``""`` (it answers,
+    so the probe's failure is the store's behaviour)."""
+    from services.objstore.port import StoreUnavailable
+    from services.objstore.s3 import S3Store
+
+    async def ask() -> str:
+        settings = load_settings(Path(args.root))
+        store = await S3Store.open(endpoint=settings.s3_endpoint, access_key=settings.s3_access_key,
+                                   secret_key=settings.s3_secret_key, region=settings.s3_region)
+        try:
+            await store.get(settings.bucket, "control/roster.json")
+        except StoreUnavailable as exc:
+            return str(exc)
+        except Exception:  # noqa: BLE001 - it answered, if only to refuse: not an outage
+            return ""
+        finally:
+            await store.close()
+        return ""
+
+    try:
+        return asyncio.run(ask())
+    except (ConfigError, OSError) as exc:
+        return str(exc)
 
 
 if __name__ == "__main__":

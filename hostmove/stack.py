@@ -465,6 +465,23 @@ def stack_status(root: Path | str | None = None) -> dict[str, Any]:
             "nats": nats, "s3": s3}
 
 
+def stack_problems(status: dict[str, Any]) -> list[str]:
+    """What :func:`stack_status` shows down, one sentence each (empty: both components are healthy)."""
+    if status.get("running"):
+        return []
+    nats, s3 = status.get("nats") or {}, status.get("s3") or {}
+    if nats.get("pid") is None and s3.get("pid") is None:
+        return [f"no stack runs under {status.get('root')}: start it with `hostmove stack up`"]
+    out = []
+    for name, part, check in (("NATS JetStream", nats, f"{nats.get('monitor_url')}/healthz?js-enabled-only=true"),
+                              ("SeaweedFS S3", s3, f"{s3.get('endpoint')}/healthz")):
+        if not part.get("alive"):
+            out.append(f"{name} (pid {part.get('pid')}) is not running: `hostmove stack up` starts the stack again")
+        elif not part.get("healthy"):
+            out.append(f"{name} (pid {part.get('pid')}) runs but fails its health check ({check})")
+    return out
+
+
 # ------------------------------------------------------------------------------------------ containers
 
 

@@ -264,3 +264,67 @@ async def test_serve_door_requires_tokens_and_hides_everything_without_one(
         rc = await asyncio.to_thread(proc.wait, 30)
         logs = (proc.stdout.read() if proc.stdout else "") + (proc.stderr.read() if proc.stderr else "")
     assert rc == 0 and token not in logs
+
+
+# -- the small truths (issue 11 item 6): one exit-code table, outages, stack status, an audit of nothing ----------
+
+
+def test_the_exit_code_table_is_one_in_help_move_help_and_the_readme() -> None:
+    from hostmove import exitcodes, move_cli
+    from hostmove.cli import build_parser
+
+    table = exitcodes.table_text()
+    assert table in build_parser().format_help()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert exitcodes.table_markdown() in readme, "README.md's exit-code table is hostmove/exitcodes.py's"
+    assert [c.code for c in exitcodes.TABLE] == sorted({c.code for c in exitcodes.TABLE}), "each code once"
+    assert (move_cli.EXIT_DONE, move_cli.EXIT_ROLLED_BACK, move_cli.EXIT_WAITING, move_cli.EXIT_REFUSED) == (
+        0, 3, 4, 5), "§12's codes"
+    out = run_cli(["move", "--help"], dict(os.environ))
+    assert out.returncode == 0 and "exit codes (the same in every subcommand)" in out.stdout
+    assert "6  unavailable" in out.stdout
+
+
+def test_stack_status_exits_0_when_healthy_and_6_naming_what_is_down(stack: StackInfo, tmp_path: Path) -> None:
+    from hostmove.stack import stack_problems
+
+    if stack.mode == "local" and stack.root:
+        out = run_cli(["--root", stack.root, "stack", "status"], dict(os.environ))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert json.loads(out.stdout)["running"] is True and not out.stderr
+    out = run_cli(["--root", str(tmp_path / "none"), "stack", "status"], dict(os.environ))
+    assert out.returncode == 6 and f"no stack runs under {tmp_path / 'none'}" in out.stderr
+    half = {"root": "/r", "running": False,
+            "nats": {"pid": 7, "alive": False, "healthy": False, "monitor_url": "http://127.0.0.1:1"},
+            "s3": {"pid": 8, "alive": True, "healthy": False, "endpoint": "http://127.0.0.1:2"}}
+    assert stack_problems(half) == [
+        "NATS JetStream (pid 7) is not running: `hostmove stack up` starts the stack again",
+        "SeaweedFS S3 (pid 8) runs but fails its health check (http://127.0.0.1:2/healthz)",
+    ]
+    assert stack_problems(half | {"running": True}) == []
+
+
+async def test_audit_of_a_host_without_events_says_so_and_fails(
+    cli_env: dict[str, str], parts: object, unique: Callable[[str], str]
+) -> None:
+    host = f"{unique('nobody')}.example.com"
+    out = await asyncio.to_thread(run_cli, ["audit", "--host", host], cli_env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (f"audit of host {host}: no events on the ledger stream and no claim or record in the store: {host} is "
+            "not a host of this deployment") in out.stderr
+
+
+async def test_an_outage_of_nats_or_the_store_is_exit_6_naming_it(cli_env: dict[str, str], parts: object) -> None:
+    closed = free_port()  # nothing listens there
+    no_nats = cli_env | {"HOSTMOVE_NATS_URL": f"nats://127.0.0.1:{closed}"}
+    out = await asyncio.to_thread(run_cli, ["audit", "--host", "h.example.com"], no_nats)
+    assert out.returncode == 6, out.stderr
+    assert out.stderr.startswith(f"hostmove: NATS at nats://127.0.0.1:{closed} is unavailable (")
+    assert "Traceback" not in out.stderr and "refused" not in out.stderr.split("(")[0]
+    no_s3 = cli_env | {"HOSTMOVE_S3_ENDPOINT": f"http://127.0.0.1:{closed}"}
+    for argv in (["audit", "--host", "h.example.com"], ["audit"], ["probe"], ["host", "create", "h.example.com",
+                                                                              "--box", "ie-1"]):
+        out = await asyncio.to_thread(run_cli, argv, no_s3)
+        assert out.returncode == 6, (argv, out.stdout, out.stderr)
+        assert f"hostmove: the object store at http://127.0.0.1:{closed} is unavailable (" in out.stderr, argv
+        assert "Traceback" not in out.stderr and cli_env["HOSTMOVE_S3_SECRET_KEY"] not in out.stderr

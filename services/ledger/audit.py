@@ -3,7 +3,9 @@
 Reports, per object: gaps, out-of-order gens, events that fail the durable-value boundary, and a
 last state that differs from the object in S3 (byte for byte in the canonical encoding). A
 ``rebase`` event is an explicit, declared loss of history: it is reported as a notice, and fails the
-audit only with ``strict``. The fold is pure (:class:`HistoryCheck`); :func:`run_audit` is the shell.
+audit only with ``strict``. The fold is pure (:class:`HistoryCheck`); :func:`run_audit` is the shell;
+:func:`verdict` is what ``hostmove audit`` says at the end (clean, not clean, nothing to audit, or the store
+unavailable: an outage, never a finding about the history).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from events.base import canonical, decode
 from events.durable import DurableValueError
 from events.envelope import Transition
 from services.ledger.ledger import Ledger
-from services.objstore.port import StoreError
+from services.objstore.port import StoreError, StoreUnavailable
 
 Severity = Literal["error", "notice"]
+Verdict = Literal["clean", "not-clean", "no-history", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class HistoryCheck:
     tracks: dict[tuple[str, str], _Track] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     messages: int = 0
+    unavailable: list[str] = field(default_factory=list)
+    """Objects the store could not be asked about (an outage: unreachable, 5xx, no answer in time)."""
+    present: int = 0
+    """Objects the store holds among those compared."""
 
     def _add(self, severity: Severity, obj: str, host: str, what: str) -> None:
         self.findings.append(Finding(severity, obj, host, what))
@@ -91,6 +98,7 @@ class HistoryCheck:
 
     def compare(self, obj: str, host: str, store_body: bytes | None, store_gen: int | None) -> None:
         """Compare the fold's last state with the object the store holds (None: missing)."""
+        self.present += store_body is not None
         track = self.tracks.get((obj, host))
         if track is None or track.last_body is None:
             if store_body is not None:
@@ -153,7 +161,28 @@ async def run_audit(
             continue
         except StoreError as exc:
             check.findings.append(Finding("error", obj, name, f"the object could not be read: {exc}"))
+            if isinstance(exc, StoreUnavailable):
+                check.unavailable.append(f"{obj} {name}")
             continue
         body = cur.body if cur.state is not None else None
         check.compare(obj, name, body, cur.state.gen if cur.state is not None else None)
     return check
+
+
+def verdict(check: HistoryCheck, *, host: str | None, strict: bool = False) -> tuple[Verdict, str]:
+    """What ``hostmove audit`` concludes, and its last line: ``unavailable`` when the store could not be read
+    (nothing is known, the history is not at fault), ``no-history`` when ``host`` has no event on the stream and
+    no claim or record in the store (a name that is not a host here), else ``clean`` or ``not-clean``."""
+    scope = f"host {host}" if host else "every host"
+    if check.unavailable:
+        return "unavailable", (f"audit of {scope}: the object store could not be read for "
+                               f"{', '.join(check.unavailable[:4])}{' ...' if len(check.unavailable) > 4 else ''}; "
+                               "nothing was audited. Try again once it answers")
+    if host is not None and check.messages == 0 and check.present == 0 and not check.findings:
+        return "no-history", (f"audit of host {host}: no events on the ledger stream and no claim or record in the "
+                              f"store: {host} is not a host of this deployment (check the name and HOSTMOVE_BUCKET)")
+    clean = check.clean(strict=strict)
+    errors = sum(f.severity == "error" for f in check.findings)
+    return ("clean" if clean else "not-clean"), (
+        f"audit of {scope}: {check.messages} events, {len(check.tracks)} objects, {errors} errors: "
+        f"{'clean' if clean else 'NOT clean'}")
