@@ -2,11 +2,15 @@
 
 1. The stack comes up (NATS JetStream and SeaweedFS from the pip-installed binaries) and the object
    store passes the conformance probe.
-2. Two boxes join the roster, ``ie-1`` in region ``ie`` and ``uk-1`` in ``uk``.
+2. Two boxes join the roster, ``ie-1`` in region ``ie`` and ``uk-1`` in ``uk``: on a deployment that already
+   holds boxes, the demo works beside them (:func:`choose_boxes`): it reuses the one box of a region, and
+   passes over a region it cannot move into or out of (two boxes, M-C21) or whose box has an agent of its own
+   running, for the next region of :data:`REGIONS`. Each run creates a host of its own (a fresh name), so it
+   runs again and again; the hosts of earlier runs serve again while the demo's agents run.
 3. The door, the recovery pass and one agent per box start as their own processes. A host is created on
-   ``ie-1`` through the door and woken there by its agent (the sample app ``moveprobe`` in a cgroup v2 leaf,
-   replicating into the ``ie`` bucket, writing continuously); then ``hostmove move`` moves it to ``uk-1``
-   with live progress, the agents carrying it out on events (:mod:`hostmove.demo_move`).
+   the first box through the door and woken there by its agent (the sample app ``moveprobe`` in a cgroup v2
+   leaf, replicating into its region's bucket, writing continuously); then ``hostmove move`` moves it to the
+   second with live progress, the agents carrying it out on events (:mod:`hostmove.demo_move`).
 4. The move's timings as ``hostmove move status`` shows them (prepare, cut, land, offline).
 5. The checks of §14.4: the key verifies, every timer ran exactly once around the cut, no acknowledged row
    is missing, no copy is left in a live namespace of the region it left.
@@ -16,18 +20,94 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hostmove.runtime import open_runtime, settings_from_stack
+from bus.subjects import box_wake_subject
+from hostmove import exitcodes
+from hostmove.runtime import Runtime, open_runtime, settings_from_stack
 from hostmove.stack import stack_up
 from projections.runner import Projector
 from projections.store import ChangesPage, ProjectionStore
-from services.box.roster import init_box
+from services.box.roster import Roster, init_box, read_roster
 from services.ledger.audit import run_audit
+
+REGIONS = ("ie", "uk", "fr", "de", "nl", "se", "es", "it")
+"""The regions the demo may use, in order: the first two it can use beside what the deployment holds."""
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
+
+
+@dataclass
+class Choice:
+    """The two boxes the demo moves between (``(label, region, reused)``), and the regions it passed over."""
+
+    boxes: list[tuple[str, str, bool]] = field(default_factory=list)
+    passed: list[str] = field(default_factory=list)
+
+
+def plan_boxes(roster: Roster | None, root: Path, running: set[str]) -> Choice:
+    """Pure: for each region of :data:`REGIONS` in turn, its one live box (reused), or a fresh label when it has
+    none (``<region>-<n>``, past any fenced label); a region with more than one live box (a move into or out of
+    it is refused, M-C21), whose box directory here belongs to another box, or whose box has an agent running
+    (``running``: not the demo's, and a box runs one agent) is passed over with the reason."""
+    choice = Choice()
+    labels = {b.label for b in roster.boxes} if roster else set()
+    for region in REGIONS:
+        live = roster.live_in_region(region) if roster else []
+        if len(live) > 1:
+            choice.passed.append(f"{region} has {len(live)} boxes ({', '.join(b.label for b in live)}), and a move "
+                                 "into or out of a region with more than one box is refused")
+            continue
+        if live:
+            label, reused = live[0].label, True
+        else:
+            label = next(f"{region}-{n}" for n in range(1, len(labels) + 2) if f"{region}-{n}" not in labels)
+            reused = False
+        owner = _box_identity(root / "boxes" / label)
+        if owner is not None and owner != {"label": label, "region": region}:
+            choice.passed.append(f"{region}: {root / 'boxes' / label} belongs to another box ({owner})")
+            continue
+        if label in running:
+            choice.passed.append(f"{region}: box {label} has an agent running already (`hostmove serve box "
+                                 f"--label {label}`); the demo runs its own")
+            continue
+        choice.boxes.append((label, region, reused))
+        if len(choice.boxes) == 2:
+            break
+    return choice
+
+
+def _box_identity(box_dir: Path) -> dict[str, object] | None:
+    try:
+        value = json.loads((box_dir / "box.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else {"box.json": value}
+
+
+async def _agents_running(rt: Runtime, roster: Roster | None) -> set[str]:
+    """The live boxes of :data:`REGIONS` whose agent answers on NATS (an empty wake request: answered with an
+    error, acting on nothing)."""
+    running = set()
+    for box in roster.boxes if roster else ():
+        if box.region not in REGIONS or box.fenced_at is not None:
+            continue
+        try:
+            await rt.events.nc.request(box_wake_subject(box.label), b"", timeout=0.5)
+        except Exception:  # noqa: BLE001 - no responder, or no answer in time: no agent runs for it
+            continue
+        running.add(box.label)
+    return running
+
+
+async def choose_boxes(rt: Runtime, root: Path) -> Choice:
+    """The two boxes the demo uses beside what the deployment holds (:func:`plan_boxes`)."""
+    roster, _ = await read_roster(rt.store, rt.settings.bucket)
+    return plan_boxes(roster, root, await _agents_running(rt, roster))
 
 
 async def run(root: Path) -> int:
@@ -39,24 +119,36 @@ async def run(root: Path) -> int:
     try:
         _say(f"   the object store passed the conformance probe (bucket {rt.settings.bucket})")
         _say("2. Boxes join the roster:")
-        boxes = {}
-        for label, region in (("ie-1", "ie"), ("uk-1", "uk")):
+        choice = await choose_boxes(rt, root)
+        for why in choice.passed:
+            _say(f"   passed over {why}")
+        if len(choice.boxes) < 2:
+            _say(f"   the demo found no two regions it can use beside what this deployment holds. Start clean: "
+                 f"`hostmove --root {root} stack down && rm -rf {root}` (the default: `make stack-down && rm -rf "
+                 ".hostmove`), then run the demo again")
+            return exitcodes.FAILED
+        boxes = []
+        for label, region, reused in choice.boxes:
             box = await init_box(root=root, label=label, region=region, store=rt.store, bucket=rt.settings.bucket,
                                  events=rt.events, clock=rt.clock, actor=rt.actor)
-            boxes[label] = box
-            _say(f"   {box.label} in {box.region}, secrets key {box.secrets_key_fp[:19]}...")
+            boxes.append(box)
+            again = " (already in the roster: reused)" if reused else ""
+            _say(f"   {box.label} in {box.region}{again}, secrets key {box.secrets_key_fp[:19]}...")
+        source, target = boxes
         projection = ProjectionStore.open(root / "projections", rng=rt.rng, clock=rt.clock)
         projector = Projector(projection, rt.events, clock=rt.clock)
         await projector.catch_up()
         cursor = projection.cursor()
-        _say("3. The console services and one agent per box start; a running instance moves from ie-1 to uk-1:")
+        _say(f"3. The console services and one agent per box start; a running instance moves from {source.label} "
+             f"to {target.label}:")
         from hostmove.demo_move import move_demo
 
-        shown = await move_demo(rt, info, boxes["ie-1"], boxes["uk-1"], _say)
-        if isinstance(shown, str):
-            _say(f"   the move could not run here: {shown}")
+        shown = await move_demo(rt, info, source, target, _say)
+        if isinstance(shown, tuple):
+            code, why = shown
+            _say(f"   the move could not run here: {why}")
             projection.close()
-            return 1
+            return code
         _say(f"4. The move {shown.move_id}: its §13 timings against their budgets")
         for line in shown.status:
             _say(f"   {line}")
@@ -69,7 +161,7 @@ async def run(root: Path) -> int:
         if not isinstance(page, ChangesPage):
             _say(f"   the change feed asked for a resync: {page.reason}")
             projection.close()
-            return 1
+            return exitcodes.FAILED
         _say("6. The change feed (what a dashboard sees):")
         for row in page.changes:
             if row.host != host:
@@ -82,6 +174,6 @@ async def run(root: Path) -> int:
             _say(f"   {finding.line()}")
         _say("The stack keeps running: `hostmove stack status`, `hostmove audit`, `hostmove stack down`.")
         projection.close()
-        return 0 if check.clean(strict=True) and shown.ok else 1
+        return exitcodes.OK if check.clean(strict=True) and shown.ok else exitcodes.FAILED
     finally:
         await rt.close()

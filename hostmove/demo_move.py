@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import TypeVar
 import aiohttp
 import msgspec
 
-from hostmove import move_cli
+from hostmove import exitcodes, move_cli
 from hostmove.probe_apps import free_port, post_write
 from hostmove.procs import ServiceProc, service_env
 from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
@@ -83,13 +84,15 @@ async def _door_up(url: str, proc: ServiceProc, timeout_s: float = 30.0) -> None
             await asyncio.sleep(0.1)
 
 
-async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out: Callable[[str], None]) -> Shown | str:
-    """Start the services, create, write, move, check. Answers what it showed, or why this machine cannot run it."""
+async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out: Callable[[str], None]
+                    ) -> Shown | tuple[int, str]:
+    """Start the services, create, write, move, check (``ie`` is the source box, ``uk`` the target, whatever their
+    regions). Answers what it showed, or the exit code and why it could not run it here."""
     root = rt.settings.root
     deployment = await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng, clock=rt.clock)
     ok, why = CgroupTree.discover(ie.label, deployment=deployment, clock=rt.clock).strict_available()
     if not ok:
-        return f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"
+        return exitcodes.FAILED, f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"
     for box in (ie, uk):
         await rt.store.create_bucket(region_bucket(box.region), versioned=True)
     token = rt.rng.token_bytes(32).hex()
@@ -106,31 +109,33 @@ async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out:
         f"(logs in {logs}/)")
     try:
         return await _run(rt, ie, uk, door_url, token, procs[0], out)
+    except TimeoutError as exc:
+        return exitcodes.WAITING, f"{exc}; the services' logs are in {logs}/"
     finally:
         for proc in reversed(procs):
             proc.stop()
 
 
 async def _run(rt: Runtime, ie: BoxInit, uk: BoxInit, door_url: str, token: str, door_proc: ServiceProc,
-               out: Callable[[str], None]) -> Shown | str:
+               out: Callable[[str], None]) -> Shown | tuple[int, str]:
     async with aiohttp.ClientSession() as session:
         door = move_cli.DoorClient(move_cli.DoorConfig(door_url, token), session)
         await _door_up(door_url, door_proc)
         host = f"shop-{rt.rng.token_bytes(3).hex()}.example.com"
         created = await door.create(host, ie.label)
         if not created.ok:
-            return f"{host} was not created: {created.reason}"
+            return move_cli.not_ok(created, sys.stderr), f"{host} was not created"
         port = await _until(lambda: read_endpoint(ie.box_dir, host), f"{host} serving on {ie.label}", 60)
         out(f"   {host} serves on {ie.label} (moveprobe in a cgroup v2 leaf, replicating into "
             f"s3://{region_bucket(ie.region)}/), writing a background row every 0.2 s")
         seqs = [await asyncio.to_thread(post_write, port, f"order-{i}") for i in range(WRITES)]
         out(f"   {WRITES} acknowledged writes (seq {seqs[0]}..{seqs[-1]}); now: hostmove move --host {host} "
             f"--to {uk.region}")
-        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=True, timeout=180.0, interval=0.3,
-                                  move_action=None)
+        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=True, until="closed", timeout=180.0,
+                                  interval=0.3, move_action=None)  # the checks read what the parks left: the close
         code = await move_cli.run(args, environ={move_cli.ENV_URL: door_url, move_cli.ENV_TOKEN: token})
         if code != move_cli.EXIT_DONE:
-            return f"the move ended with exit code {code}"
+            return code, f"the move ended with exit code {code}"
         record = (await rt.ledger.read_record(host)).state
         move_id = record.last_move.id if record is not None and record.last_move is not None else ""
         last = await last_move_state(rt.events, host, move_id)
