@@ -354,16 +354,20 @@ def test_the_edge_table_never_names_an_instance_whose_route_is_held(tmp_path: Pa
 
     from kernel.ports import WallClock
     from services.agent.service import BoxAgent
+    from services.box.instance.instances import Instance, Instances
     from services.box.instance.registry import Registry, RouteRow
 
     registry = Registry.open(tmp_path, WallClock())
-    probe = SimpleNamespace(app=SimpleNamespace(port=4321))
-    agent = SimpleNamespace(registry=registry, activator=SimpleNamespace(running={}),
-                            landing=SimpleNamespace(running={"h.example": probe}))
+    instances = Instances()
+    probe = Instance("h.example", 4321, 7, "g", "l", replicator=None, origin="probe")  # type: ignore[arg-type]
+    instances.enter(probe)
+    agent = SimpleNamespace(registry=registry, instances=instances)
     registry.insert(RouteRow(host="h.example", status="ready"))
-    assert BoxAgent._endpoint(agent, "h.example") == (4321, -1)  # type: ignore[arg-type]
+    assert BoxAgent._endpoint(agent, "h.example") is None, "a probe is never named before the open"  # type: ignore[arg-type]
+    instances.hand_over("h.example")
+    assert BoxAgent._endpoint(agent, "h.example") == (4321, 7)  # type: ignore[arg-type]
     assert registry.hold("h.example", "landing", "mv_" + "a" * 26)
     assert BoxAgent._endpoint(agent, "h.example") is None  # type: ignore[arg-type]
     assert registry.leave_hold("h.example", "mv_" + "a" * 26)
-    assert BoxAgent._endpoint(agent, "h.example") == (4321, -1)  # type: ignore[arg-type]
+    assert BoxAgent._endpoint(agent, "h.example") == (4321, 7)  # type: ignore[arg-type]
     registry.close()
