@@ -140,9 +140,13 @@ class Reply:
 
     @property
     def dependency(self) -> str:
-        """What the door says is down, when it names it (``dependency``), else ``""``."""
-        named = self.body.get("dependency") or self.body.get("dependencies") or ""
-        return ", ".join(str(d) for d in named) if isinstance(named, list) else str(named)
+        """What the door says is down, in words (its ``dependency``: ``nats``, ``s3``), else ``""``."""
+        named = self.body.get("dependency") or ""
+        return DEPENDENCIES.get(str(named), str(named))
+
+
+DEPENDENCIES = {"nats": "NATS (the event stream)", "s3": "the object store (S3)"}
+"""The door's names for what its 503 says is down (services/door/api.py ``unavailable_answer``), in words."""
 
 
 class DoorClient:

@@ -671,16 +671,19 @@ async def answering(status: int, body: dict[str, Any]) -> AsyncIterator[str]:
 
 
 async def test_a_door_answering_503_for_a_dependency_is_an_outage_never_a_refusal(env: Env) -> None:
-    down = {"error": "unavailable", "copy": "M-R18", "dependency": "NATS",
-            "reason": say("M-R18", what="The claim of h.example.com")}
+    down = {"error": "unavailable", "copy": "M-R36", "dependency": "nats", "reason": "The event stream is down."}
     async with answering(503, down) as url:
         for argv in (["move", "--host", "h.example.com", "--to", "uk"], ["move", "status", "--host", "h.example.com"],
                      ["move", "watch", "--host", "h.example.com"], ["move", "cut", "--host", "h.example.com"]):
             code, text = await cli(url, argv, OPERATOR, env.clock)
             assert code == exitcodes.UNAVAILABLE, (argv, text)
-            assert text.startswith("hostmove move: NATS is unavailable, so the door decided nothing: ") and (
-                say("M-R18", what="The claim of h.example.com") in text), text
-    unnamed = {k: v for k, v in down.items() if k != "dependency"}
+            assert text.startswith("hostmove move: NATS (the event stream) is unavailable, so the door decided "
+                                   "nothing: The event stream is down. (exit 6"), text
+    s3 = {"error": "unavailable", "copy": "M-R37", "dependency": "s3", "reason": "S3 does not answer."}
+    async with answering(503, s3) as url:
+        code, text = await cli(url, ["move", "abort", "--host", "h.example.com"], OPERATOR, env.clock)
+        assert code == exitcodes.UNAVAILABLE and "the object store (S3) is unavailable" in text, text
+    unnamed = {"error": "unavailable", "copy": "M-R18", "reason": say("M-R18", what="The claim of h.example.com")}
     async with answering(503, unnamed) as url:
         code, text = await cli(url, ["move", "status", "--host", "h.example.com"], OPERATOR, env.clock)
         assert code == exitcodes.UNAVAILABLE and "a dependency of the door is unavailable" in text
