@@ -328,3 +328,30 @@ async def test_an_outage_of_nats_or_the_store_is_exit_6_naming_it(cli_env: dict[
         assert out.returncode == 6, (argv, out.stdout, out.stderr)
         assert f"hostmove: the object store at http://127.0.0.1:{closed} is unavailable (" in out.stderr, argv
         assert "Traceback" not in out.stderr and cli_env["HOSTMOVE_S3_SECRET_KEY"] not in out.stderr
+
+
+def test_a_failed_probe_is_7_when_the_store_answers_and_6_when_it_does_not(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from hostmove.cli import _outage
+    from services.objstore.probe import PROBE_EXIT_CODE
+
+    for key, value in cli_env.items():
+        monkeypatch.setenv(key, value)
+    args = argparse.Namespace(root=cli_env["HOSTMOVE_ROOT"], command="probe")
+    assert _outage(SystemExit(PROBE_EXIT_CODE), args) == 7
+    assert "answered but failed the conformance probe" in capsys.readouterr().err
+    monkeypatch.setenv("HOSTMOVE_S3_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    assert _outage(SystemExit(PROBE_EXIT_CODE), args) == 6
+    assert "is unavailable (" in capsys.readouterr().err
+    assert _outage(SystemExit(1), args) is None and _outage(ValueError("x"), args) is None, "not a dependency's"
+
+
+async def test_a_box_whose_agent_does_not_answer_is_an_outage(cli_env: dict[str, str], parts: object,
+                                                              unique: Callable[[str], str]) -> None:
+    label = unique("noagent")
+    out = await asyncio.to_thread(run_cli, ["box", "wake", "h.example.com", "--label", label], cli_env)
+    assert out.returncode == 6, out.stdout + out.stderr
+    assert f"box {label}'s agent did not answer" in out.stderr
