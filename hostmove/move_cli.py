@@ -495,9 +495,9 @@ def add_parser(subparsers: Any) -> None:
     mv = subparsers.add_parser(
         "move", help="move a host to another region; watch, show, cut or abort its move",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Request a move and follow it (the default) until the host serves on the target or is back on "
-                    "the source; the move then goes on closing in the background (--until closed waits for that). "
-                    f"Environment: {ENV_URL} (default {DEFAULT_URL}), {ENV_TOKEN} (the operator token).",
+        description="Request a move and follow it (the default) until the host serves on the target or is back\n"
+                    "on the source; the move then goes on closing in the background (--until closed waits for\n"
+                    f"that). Environment: {ENV_URL} (default {DEFAULT_URL}),\n{ENV_TOKEN} (the operator token).",
         epilog=exitcodes.table_text())
     mv.add_argument("--host", help="the host to move")
     mv.add_argument("--to", help="the region to move it to")
