@@ -29,12 +29,15 @@ from hostmove.runtime import DEFAULT_ROOT, ConfigError, load_settings, open_runt
 SERVICES = ("relay", "projections", "door", "recovery", "box")
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format='{"t":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":%(message)r}',
-        stream=sys.stderr,
-    )
+def _setup_logging(args: argparse.Namespace) -> None:
+    """A service (``serve``) writes JSON lines only, whatever writes them (:mod:`hostmove.logs`); an interactive
+    command keeps human lines on the terminal."""
+    from hostmove.logs import configure_service, configure_terminal
+
+    if args.command == "serve":
+        configure_service(args.service, box=args.label)
+    else:
+        configure_terminal(args.verbose)
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -273,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    _setup_logging(args)
     try:
         if args.command == "stack":
             return cmd_stack(args)

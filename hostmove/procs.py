@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hostmove.logs import json_line
 from hostmove.stackinfo import StackInfo
 
 
@@ -52,7 +53,12 @@ class ServiceProc:
         self.starts += 1
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
-            out.write(f"--- start {self.starts} {sorted((extra or {}).items())}\n".encode())
+            after = self.argv[self.argv.index("serve") + 1:] if "serve" in self.argv else [""]
+            box = after[after.index("--label") + 1] if "--label" in after[:-1] else ""
+            marker = json_line("hostmove.procs", f"--- start {self.starts} of hostmove {' '.join(self.argv)}",
+                               service=after[0], box=box, environ={**self.env, **(extra or {})}, start=self.starts,
+                               env=dict(sorted((extra or {}).items())))
+            out.write(f"{marker}\n".encode())
             self.proc = subprocess.Popen([sys.executable, "-m", "hostmove.cli", *self.argv],
                                          env={**self.env, **(extra or {})}, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)

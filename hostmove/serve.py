@@ -22,7 +22,9 @@ import contextlib
 import logging
 import signal
 
+from hostmove.logs import add_secret, configure_service
 from hostmove.runtime import Runtime, Settings, open_runtime
+from kernel.logctx import ctx
 
 log = logging.getLogger("hostmove.serve")
 
@@ -39,10 +41,12 @@ def _stop_event() -> asyncio.Event:
 
 
 async def _relay(rt: Runtime, stop: asyncio.Event) -> None:
+    log.info("relay: settling every claim and record on the stream every %g s", RELAY_INTERVAL_S,
+             extra=ctx(phase="relay"))
     while not stop.is_set():
         failed = await rt.ledger.relay_all()
         for line in failed:
-            log.error("relay could not settle %s", line)
+            log.error("relay could not settle %s", line, extra=ctx(phase="relay", reason=line))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), RELAY_INTERVAL_S)
 
@@ -55,7 +59,8 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
     store = ProjectionStore.open(rt.settings.root / "projections", rng=rt.rng, clock=rt.clock)
     projector = Projector(store, rt.events, clock=rt.clock)
     runner = await serve(make_app(store, clock=rt.clock, projector=projector), port=port or 8080)
-    print(f"projections: read API on http://127.0.0.1:{port or 8080}/ (OpenAPI at /openapi.json)", flush=True)
+    log.info("projections: read API on http://127.0.0.1:%d/ (OpenAPI at /openapi.json)", port or 8080,
+             extra=ctx(port=port or 8080))
     try:
         await stop.wait()
     finally:
@@ -70,12 +75,13 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
     from services.recovery.recovery import RecoveryPass
 
     recovery = RecoveryPass(rt.ledger, rt.events)
+    log.info("recovery: a recovery pass every %g s", RECOVERY_INTERVAL_S, extra=ctx(phase="recovery"))
     while not stop.is_set():
         report = await recovery.run_once()
         for line in report.claim_halves + report.records_finished:
-            log.info("recovery wrote %s", line)
+            log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
         for line in report.errors:
-            log.error("recovery could not settle %s", line)
+            log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), RECOVERY_INTERVAL_S)
 
@@ -85,7 +91,8 @@ async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
     from services.door.auth import load_tokens
 
     runner = await serve_door(Door(rt.ledger, clock=rt.clock, rng=rt.rng), port or 8081, tokens=load_tokens())
-    print(f"door: operator API on http://127.0.0.1:{port or 8081}/ (OpenAPI at /openapi.json)", flush=True)
+    log.info("door: operator API on http://127.0.0.1:%d/ (OpenAPI at /openapi.json)", port or 8081,
+             extra=ctx(port=port or 8081))
     try:
         await stop.wait()
     finally:
@@ -108,31 +115,32 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     try:
         cfg = load_box(rt.settings.root, label)
     except BoxConfigError as exc:
-        print(f"hostmove serve box: {exc}", flush=True)
+        log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
     profile = os.environ.get("HOSTMOVE_PROFILE", "fast" if rt.settings.local else "production")
     if profile not in PROFILES:
-        print(f"hostmove serve box: HOSTMOVE_PROFILE must be one of {', '.join(PROFILES)}, not {profile!r}",
-              flush=True)
+        log.error("hostmove serve box: HOSTMOVE_PROFILE must be one of %s, not %r", ", ".join(PROFILES), profile,
+                  extra=ctx(box=label, reason="profile"))
         return 2
     try:
         timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
     except ValueError as exc:
-        print(f"hostmove serve box: {exc}", flush=True)
+        log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
     from services.box.fence import read_fence
 
     fenced = await read_fence(rt.store, rt.settings.bucket, label)
     if fenced is not None:
-        print(f"hostmove serve box: box {label} was fenced at {utc_text(fenced[0].fenced_at)} ({fenced[0].evidence}); "
-              "a fenced box never acts again: enroll a replacement under a new label", flush=True)
+        log.error("hostmove serve box: box %s was fenced at %s (%s); a fenced box never acts again: enroll a "
+                  "replacement under a new label", label, utc_text(fenced[0].fenced_at), fenced[0].evidence,
+                  extra=ctx(box=label, reason="fenced"))
         return 2
     tree = CgroupTree.discover(label, deployment=await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng,
                                clock=rt.clock), clock=rt.clock, journal=cfg.box_dir / "spawns")
     ok, why = tree.strict_available()
     if not ok:
-        print(f"hostmove serve box: box {label} cannot spawn strictly ({why}); it refuses to take part in moves",
-              flush=True)
+        log.error("hostmove serve box: box %s cannot spawn strictly (%s); it refuses to take part in moves", label,
+                  why, extra=ctx(box=label, reason=why))
         return 2
     if rt.settings.local:
         await rt.store.create_bucket(cfg.data_bucket, versioned=True)
@@ -145,7 +153,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
                          faults=faults, app=moveprobe_spec(cfg.acks_dir, tunables=os.environ))
         subs = await agent.wake_on(rt.events.nc)
         sleeps = "never" if timing.idle_s is None else f"after {timing.idle_s:g} s idle"
-        print(f"box {label} ({cfg.region}): agent running, profile {profile}, hosts sleep {sleeps}", flush=True)
+        log.info("box %s (%s): agent running, profile %s, hosts sleep %s", label, cfg.region, profile, sleeps,
+                 extra=ctx(box=label, region=cfg.region, profile=profile))
         try:
             await agent.run(stop)
         finally:
@@ -158,16 +167,18 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
 
 
 async def run(service: str, settings: Settings, *, port: int = 0, label: str = "") -> int:
+    configure_service(service, box=label)  # every line this process writes is JSON from here (hostmove.logs)
+    add_secret(settings.s3_secret_key)
     if service == "door":
         from services.door.auth import TokenConfigError, load_tokens
 
         try:
             load_tokens()
         except TokenConfigError as exc:
-            print(f"hostmove serve door: {exc}", flush=True)
+            log.error("hostmove serve door: %s", exc, extra=ctx(reason=exc))
             return 2
     if service == "box" and not label:
-        print("hostmove serve box: name the box with --label", flush=True)
+        log.error("hostmove serve box: name the box with --label")
         return 2
     rt = await open_runtime(settings, service, box=label)
     stop = _stop_event()
