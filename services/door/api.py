@@ -42,6 +42,7 @@ from events.copy import say
 from events.durable import DurableValueError
 from events.ids import new_incarnation, new_op_id
 from events.record import Record
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random
 from services.box.roster import Roster, read_roster
 from services.door.auth import Identity, TokenSet
@@ -158,7 +159,8 @@ class Door:
             out = await self.ledger.transition("claim", host, "move-request", decide,
                                                causation=f"door: operator {who.label}")
         if isinstance(out, Refusal):
-            log.info("move refused host=%s by=%s: %s", host, who.label, out.reason)
+            log.info("move of %s refused (operator %s): %s", host, who.label, out.reason,
+                     extra=ctx(host=host, phase="move-request", reason=out.reason, operator=who.label))
             return refusal_answer(out)
         if isinstance(out, Conflict):
             return refusal_answer(refuse(409, "M-R17", host=host))
@@ -167,8 +169,11 @@ class Door:
         if claim is None or not intent_matches(claim.op, request):
             return refusal_answer(refuse(409, "M-R17", host=host))
         if started:
-            log.info("move requested host=%s op=%s from=%s to=%s target=%s by=%s", host, claim.op.id,
-                     claim.op.intent.get("from"), request.to, claim.op.intent.get("target"), who.label)
+            intent = claim.op.intent
+            log.info("move %s of %s requested from %s to %s (target %s, operator %s)", claim.op.id, host,
+                     intent.get("from"), request.to, intent.get("target"), who.label,
+                     extra=ctx(host=host, op_id=claim.op.id, phase="move-request", operator=who.label,
+                               from_region=intent.get("from"), to_region=request.to, target=intent.get("target")))
         return await self._finish_record(host, claim, started=started)
 
     async def _finish_record(self, host: str, claim: Claim, *, started: bool) -> Answer:
@@ -177,12 +182,14 @@ class Door:
             out = await self.ledger.transition("record", host, "move-requested", decide,
                                                causation=f"move {claim.op.id}")
         if isinstance(out, Refusal):
-            log.warning("move %s of %s holds the claim but its record was refused: %s", claim.op.id, host, out.reason)
+            log.warning("move %s of %s holds the claim but its record was refused: %s", claim.op.id, host, out.reason,
+                        extra=ctx(host=host, op_id=claim.op.id, phase="move-requested", reason=out.reason))
             return refusal_answer(out)
         if isinstance(out, Conflict):
             return refusal_answer(refuse(409, "M-R17", host=host))
         if isinstance(out, Committed) and not started:
-            log.info("move %s of %s: record finished by a retry", claim.op.id, host)
+            log.info("move %s of %s: record finished by a retry", claim.op.id, host,
+                     extra=ctx(host=host, op_id=claim.op.id, phase="move-requested"))
         record = out.state if isinstance(out, Committed) else await self.record(host)
         view = status_view(host, claim, record, detail=False)
         view.update(started=started, record_written=isinstance(out, Committed))
@@ -204,7 +211,9 @@ class Door:
         with reading(f"The record of {host}"):
             out = await self.ledger.transition("record", host, name, step, causation=f"door: operator {who.label}")
         if isinstance(out, Refusal):
-            log.info("%s refused host=%s by=%s: %s", name, host, who.label, out.reason)
+            log.info("%s of %s refused (operator %s): %s", name, host, who.label, out.reason,
+                     extra=ctx(host=host, op_id=claim.op.id or None, phase=name, reason=out.reason,
+                               operator=who.label))
             return refusal_answer(out)
         if isinstance(out, Conflict):
             return refusal_answer(refuse(409, "M-R17", host=host))
@@ -212,7 +221,8 @@ class Door:
         view = status_view(host, claim, record, detail=False)
         move = record.move if record is not None else None
         if isinstance(out, Committed):
-            log.info("%s host=%s op=%s by=%s", name, host, move.id if move else "", who.label)
+            log.info("%s of %s: move %s (operator %s)", name, host, move.id if move else "-", who.label,
+                     extra=ctx(host=host, op_id=move.id if move else None, phase=name, operator=who.label))
         values: dict[str, str] = {"host": host}
         if copy_id == "M-S2":
             values["from_region"] = move.from_ if move is not None else "?"
@@ -258,7 +268,8 @@ class Door:
                                     causation=f"door: operator {who.label}")
         if isinstance(out, Refusal):
             return refusal_answer(refuse(409, "M-R25", host=host, reason=out.reason))
-        log.info("host created host=%s box=%s region=%s by=%s", host, box, entry.region, who.label)
+        log.info("host %s created on box %s (%s, operator %s)", host, box, entry.region, who.label,
+                 extra=ctx(host=host, box=box, phase="create", region=entry.region, operator=who.label))
         return Answer(201, {
             "host": host, "claim": claim_summary(out.state), "region": entry.region,
             "incarnation": incarnation, "copy": "M-S3",
@@ -337,7 +348,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json(refusal_answer(exc.refusal))
     except Unreadable as exc:
         log.error("door %s %s: %s unreadable (%s)", request.method, request.path, exc.what,
-                  type(exc.__cause__).__name__)
+                  type(exc.__cause__).__name__, extra=ctx(host=request.match_info.get("host"),
+                                                          reason=type(exc.__cause__).__name__,
+                                                          method=request.method, path=request.path))
         copy_id = "M-R30" if exc.corrupt else "M-R18"
         return _json(Answer(503, {"error": "unavailable", "reason": say(copy_id, what=exc.what), "copy": copy_id}))
     except web.HTTPException as exc:
@@ -356,7 +369,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             return _json(Answer(413, {"error": code, "reason": say("M-R33", limit=MAX_BODY), "copy": "M-R33"}))
         return _json(Answer(exc.status, {"error": code, "reason": exc.reason, "copy": ""}))
     except Exception:
-        log.exception("door %s %s failed", request.method, request.path)
+        log.exception("door %s %s failed", request.method, request.path,
+                      extra=ctx(host=request.match_info.get("host"), method=request.method, path=request.path))
         return _json(Answer(500, {"error": "internal", "reason": say("M-R31"), "copy": "M-R31"}))
 
 
@@ -449,7 +463,7 @@ async def serve_door(
     runner = web.AppRunner(make_app(door, tokens))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    log.info("door listening on %s:%d (%r)", host, port, tokens)
+    log.info("door listening on %s:%d (%r)", host, port, tokens, extra=ctx(port=port))
     return runner
 
 

@@ -38,10 +38,18 @@ from events.durable import DurableValueError
 from events.envelope import MAX_CAUSATION_CHARS, MAX_NAME_CHARS, Actor, EventMeta, ObjectKind, Transition
 from events.record import Record
 from kernel import rules
+from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")
+
+
+def _op_id(state: Claim | Record) -> str | None:
+    """The move (or op) a state is in, for a log line's ``op_id``."""
+    if isinstance(state, Claim):
+        return state.op.id or None
+    return state.move.id if state.move is not None else None
 
 S = TypeVar("S", Claim, Record)
 
@@ -281,7 +289,8 @@ class Ledger:
             return await self._publish(obj, host, state, meta, "transition", prev_seq)
         except (LogError, LedgerDefect) as exc:
             # The CAS stands. The next writer or the relay publishes this gen (publish before supersede).
-            log.warning("event for %s %s gen %d not published yet: %s", obj, host, state.gen, exc)
+            log.warning("event for %s %s gen %d not published yet: %s", obj, host, state.gen, exc,
+                        extra=ctx(host=host, op_id=_op_id(state), phase="publish", reason=exc, obj=obj, gen=state.gen))
             return None
 
     # -- publishing -------------------------------------------------------------------------------
@@ -311,7 +320,8 @@ class Ledger:
             raise _StreamAhead(f"the stream is ahead of the read of the {obj} of {host}: {last_gen} > {state.gen}")
         if cur.meta is not None and last_gen == state.gen - 1:
             seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
-            log.info("relayed %s %s gen %d", obj, host, state.gen)
+            log.info("relayed %s %s gen %d", obj, host, state.gen,
+                     extra=ctx(host=host, op_id=_op_id(state), phase="relay", obj=obj, gen=state.gen))
             return seq
         # The stream lost history (or the writer's metadata is gone): restate the full state.
         meta = EventMeta(
@@ -321,7 +331,9 @@ class Ledger:
             causation=f"stream ends at gen {last_gen}, store at gen {state.gen}",
         )
         seq = await self._publish(obj, host, state, meta, "rebase", last.seq if last else 0)
-        log.warning("rebased %s %s at gen %d (stream ended at gen %d)", obj, host, state.gen, last_gen)
+        log.warning("rebased %s %s at gen %d (stream ended at gen %d)", obj, host, state.gen, last_gen,
+                    extra=ctx(host=host, op_id=_op_id(state), phase="rebase", obj=obj, gen=state.gen,
+                              stream_gen=last_gen))
         return seq
 
     async def _publish(
@@ -409,6 +421,7 @@ class Ledger:
                     self._published.pop(ledger_subject(obj, host), None)
                     await self.relay(obj, host)
                 except (LedgerDefect, DurableValueError, LogError) as exc:
-                    log.error("relay of %s %s failed: %s", obj, host, exc)
+                    log.error("relay of %s %s failed: %s", obj, host, exc,
+                              extra=ctx(host=host, phase="relay", reason=exc, obj=obj))
                     failed.append(f"{obj}:{host}: {exc}")
         return failed

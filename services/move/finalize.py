@@ -38,6 +38,7 @@ from bus.log import EventLog, LogError
 from events.claim import Claim, Obligation
 from events.record import LastMove, Record
 from kernel import rules
+from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.box.instance.guard import ReadClaim, host_guard
 from services.box.instance.registry import Registry
@@ -436,4 +437,6 @@ class Finalizer:
         try:
             await publish_fact(self.events, fact)
         except LogError as exc:  # the authority already holds the step; the fact is for observers
-            log.warning("fact %s for %s not published: %s", kind, host, exc)
+            log.warning("fact %s for %s not published: %s", kind, host, exc,
+                        extra=ctx(host=host, op_id=fact_id.split(":", 1)[0], box=self.box,
+                                  phase="fact", reason=exc, fact=kind, fact_id=fact_id))

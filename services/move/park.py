@@ -35,6 +35,7 @@ import msgspec
 from events.base import canonical
 from events.claim import Scope
 from kernel import rules
+from kernel.logctx import ctx
 from kernel.ports import Clock
 from kernel.timetext import utc_text
 from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
@@ -260,7 +261,9 @@ class Parker:
             plan = plan_event(entries, host=host, op=op, event=event, prefix=prefix, scope=scope, listed_at=listed_at)
             if not plan.deletion:
                 if not rules.on("park-verify-after-horizon") or listed_at > deadline:
-                    log.info("park %s of %s acknowledged after %d event(s)", kind, host, len(events))
+                    log.info("park %s of %s acknowledged after %d event(s)", kind, host, len(events),
+                             extra=ctx(host=host, op_id=op, phase="park", park=kind, events=len(events),
+                                       location=scope.location))
                     return Acknowledged(tuple(events), listed_at)
                 return Waiting(tuple(events), deadline + 1,
                                f"waiting for the late-completion horizon: the scope is empty, but a request signed "

@@ -25,6 +25,7 @@ from bus.log import EventLog, LogError
 from events.claim import Claim
 from events.durable import DurableValueError
 from events.record import Record
+from kernel.logctx import ctx
 from services.box.fence import BoxFence, FenceRef, read_fence, verify_ref
 from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
@@ -107,7 +108,7 @@ class RecoveryPass:
             except (DurableValueError, StoreError, LogError) as exc:
                 # C6: a read error never acts. Report it and go on with the other hosts.
                 report.errors.append(f"{host}: {exc}")
-                log.error("recovery skipped %s: %s", host, exc)
+                log.error("recovery skipped %s: %s", host, exc, extra=ctx(host=host, phase="recovery", reason=exc))
         return report
 
     async def _host(self, host: str, report: PassReport) -> None:

@@ -30,6 +30,7 @@ import msgspec
 
 from events.claim import Claim, Obligation, Scope
 from kernel import rules
+from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.park import Acknowledged, Parker, location_prefix
@@ -152,7 +153,9 @@ class StragglerSweep:
             if not isinstance(queued, Committed | NoChange):
                 return SweepReport(f"sweep not queued: {getattr(queued, 'reason', 'the claim changed')}")
             log.warning("straggler sweep of %s in %s: %d current objects in its left location (first %s)", host,
-                        self.region, len(found), found[0])
+                        self.region, len(found), found[0],
+                        extra=ctx(host=host, box=self.box, phase="straggler-sweep", region=self.region,
+                                  location=location, objects=len(found)))
             ob = pending_sweep(queued.state if isinstance(queued, Committed) else
                                (await self.ledger.read_claim(host)).state, self.box, self.region)
             if ob is None:
