@@ -33,6 +33,7 @@ import msgspec
 
 from events.base import Durable, Ident, Millis, canonical, decode
 from kernel import rules
+from kernel.logctx import ctx
 from kernel.ports import Clock
 from kernel.timetext import utc_text
 from services.ledger.ledger import NoChange, Refusal
@@ -209,8 +210,9 @@ class StagingWork:
             raise StagingStopped(f"another staging writer took the staging lease of {self.host} in {self.region} "
                                  "at the same time; this round waits")
         self.until = out.until
-        log.info("staging lease taken", extra={"host": self.host, "op": self.op_id, "region": self.region,
-                                                "until": out.until})
+        log.info("staging lease of %s in %s taken (move %s) until %s", self.host, self.region, self.op_id,
+                 utc_text(out.until), extra=ctx(host=self.host, op_id=self.op_id, phase="staging",
+                                                region=self.region, until=out.until))
 
     async def renew(self) -> None:
         """Extend the lease by CAS on the ETag this holder last wrote; :class:`StagingStopped` when it was lost."""

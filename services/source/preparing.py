@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from events.claim import Claim
 from events.copy import say
 from events.record import MoveInputs, Record
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random, SystemRandom, blocking, http_status, process_nonce
 from services.box.artifacts.archive import ArchiveError, build_archive, manifest_bytes, plain_digest
 from services.box.artifacts.sealing import PrivateKey
@@ -356,7 +357,8 @@ class PreparingRunner:
         record = (await box.ledger.read_record(host)).state
         claim = (await box.ledger.read_claim(host)).state
         step = plan_preparing(record, claim, source=box.label, move_id=move_id, incarnation=incarnation)
-        log.info("preparing step", extra={"host": host, "op": move_id, "box": box.label, "step": step.kind})
+        log.info("preparing step %s of %s (move %s)", step.kind, host, move_id,
+                 extra=ctx(host=host, op_id=move_id, box=box.label, phase="preparing", step=step.kind))
         state = record.move.state if record is not None and record.move is not None else ""
         if step.kind in ("idle", "blocked"):
             return PrepResult(step, state, step.reason)
@@ -455,10 +457,11 @@ class PreparingRunner:
                        s1_detail=s1_detail, strict=strict, strict_detail=strict_detail, target=target,
                        target_detail=target_detail,
                        inputs=inputs, recovery_armed=box.recovery_armed(host), staging_refused=refused)
-        log.info("preparing round", extra={"host": host, "op": move.id, "box": box.label,
-                                           "copied": mirrored.copied if mirrored else 0,
-                                           "bytes": obs.round_bytes, "staged": not refused, "s1": s1_ok,
-                                           "strict": strict, "target_ready": bool(target and target.ready)})
+        log.info("preparing round of %s (move %s): %d bytes, staged %s, S1 %s, strict %s, target ready %s", host,
+                 move.id, obs.round_bytes, not refused, s1_ok, strict, bool(target and target.ready),
+                 extra=ctx(host=host, op_id=move.id, box=box.label, phase="preparing",
+                           copied=mirrored.copied if mirrored else 0, bytes=obs.round_bytes, staged=not refused,
+                           s1=s1_ok, strict=strict, target_ready=bool(target and target.ready)))
         return obs, version
 
     async def _stage(self, host: str, record: Record, claim: Claim, files_plain: str) -> tuple[Mirrored | None, str]:
@@ -495,8 +498,8 @@ class PreparingRunner:
                 with contextlib.suppress(StoreError):
                     await work.release()
         except StagingStopped as exc:
-            log.info("preparing round stopped", extra={"host": host, "op": move.id, "box": box.label,
-                                                       "reason": str(exc)})
+            log.info("preparing round of %s (move %s) stopped: %s", host, move.id, exc,
+                     extra=ctx(host=host, op_id=move.id, box=box.label, phase="preparing", reason=exc))
             return None, str(exc)
 
     def _archive(self, host: str, record: Record) -> tuple[bytes, bytes]:

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
 from events.base import decode
 from events.claim import Claim
 from events.record import FilesDigest, Record
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random, SystemRandom, blocking, process_nonce
 from services.box.artifacts.archive import ArchiveError, build_archive, decode_manifest, manifest_bytes, plain_digest
 from services.box.instance.activator import Certificate, certificate_key
@@ -117,8 +118,8 @@ class SourceWorker:
         claim = (await box.ledger.read_claim(host)).state
         now = box.clock.now_ms()
         step = phases.plan(record, claim, source=box.label, move_id=move_id, incarnation=incarnation, now_ms=now)
-        log.info("source step", extra={"host": host, "op": move_id, "box": box.label, "step": step.kind,
-                                       "phase": step.phase})
+        log.info("source step %s of %s (move %s) at %s", step.kind, host, move_id, step.phase or "-",
+                 extra=ctx(host=host, op_id=move_id, box=box.label, phase=step.phase or None, step=step.kind))
         if step.kind == "deadline":  # §7.4: exceeding the deadline before the commit starts recovery
             reason = f"the cut deadline passed at {step.phase}; the source recovers the host (reverting)"
             out = await self._record(step, host, "cut-revert", lambda r: revert.decide_revert(

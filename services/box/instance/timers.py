@@ -40,6 +40,7 @@ import msgspec
 import sqlite_utils
 
 from events.base import validate_ident
+from kernel.logctx import ctx
 from kernel.ports import Clock, http_post_json
 from services.box.instance.registry import HOLD_STATUSES, REGISTRY_FILE, ensure_routes, open_db, transaction
 
@@ -414,10 +415,13 @@ class TimerRunner:
         path = self.path.replace("{name}", quote(row.name, safe=""))
         status = await http_post_json(base.rstrip("/") + path, body, self.timeout_s, self.session)
         if status is None:
-            log.info("timer delivery failed", extra={"host": host, "timer": row.name, "error": "no answer"})
+            log.info("timer %s of %s: delivery failed (no answer)", row.name, host,
+                     extra=ctx(host=host, phase="timer", reason="no answer", timer=row.name, due_at=row.next_at))
             return False
         if not 200 <= status < 300:
-            log.info("timer delivery refused", extra={"host": host, "timer": row.name, "status": status})
+            log.info("timer %s of %s: delivery refused (HTTP %d)", row.name, host, status,
+                     extra=ctx(host=host, phase="timer", reason=f"HTTP {status}", timer=row.name,
+                               due_at=row.next_at, status=status))
             return False
         return True
 

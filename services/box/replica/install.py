@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from events.base import Durable, Ident, Millis, canonical, decode
+from kernel.logctx import ctx
 from kernel.ports import Clock, blocking
 from services.box.replica import ltx
 from services.box.replica.layout import GenerationScope, list_generation
@@ -135,7 +136,8 @@ async def put_acknowledged(store: ObjectStore, bucket: str, key: str, body: byte
             outcome = await store.put(bucket, key, body)
         except StoreUnavailable as exc:
             last = exc
-            log.warning("PUT of %s not acknowledged (attempt %d): %s", key, attempt + 1, exc)
+            log.warning("PUT of %s not acknowledged (attempt %d): %s", key, attempt + 1, exc,
+                        extra=ctx(phase="replica-install", reason=exc, key=key, attempt=attempt + 1))
             if clock is not None:
                 await clock.sleep(backoff_s * (2**attempt))
             continue

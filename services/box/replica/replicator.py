@@ -70,6 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel.logctx import ctx
 from kernel.ports import Clock, blocking
 from services.box.replica import ltx, wal
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
@@ -196,10 +197,14 @@ class Replicator:
         *,
         position: int,
         options: ReplicaOptions | None = None,
+        host: str | None = None,
     ) -> None:
         self.store = store
         self.bucket = bucket
         self.scope = scope
+        # the context of its log lines (kernel.logctx): the host when the caller names it, and where it writes
+        self.log_fields = ctx(host=host, phase="replica", location=scope.location, generation=scope.generation,
+                              db=Path(db_path).name)
         self.db_path = Path(db_path)
         self.clock = clock
         self.options = options or ReplicaOptions()
@@ -343,7 +348,8 @@ class Replicator:
                 await self._delete(f.key)
                 deleted.append(f.key)
             self.stats.compactions += 1
-            log.info("replica compaction", extra={"key": key, "inputs": len(chain), "deleted": len(deleted)})
+            log.info("replica compaction into %s: %d inputs, %d deleted", key, len(chain), len(deleted),
+                     extra={**self.log_fields, "key": key, "inputs": len(chain), "deleted": len(deleted)})
             return CompactResult(level, key, chain[0].min_txid, end, tuple(f.key for f in chain), tuple(deleted), pages)
 
     def _merge(self, level: int, min_txid: int, max_txid: int, bodies: Sequence[bytes]) -> tuple[bytes, int]:
@@ -470,7 +476,8 @@ class Replicator:
                     await self.checkpoint()
             except Exception as exc:  # a failed round is retried; the reason is logged, never swallowed silently
                 self.stats.retries += 1
-                log.warning("replica round failed, will retry: %s", exc, extra={"prefix": self.scope.prefix})
+                log.warning("replica round of %s failed, will retry: %s", self.scope.prefix, exc,
+                            extra={**self.log_fields, "reason": str(exc), "prefix": self.scope.prefix})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
 
@@ -644,7 +651,8 @@ class Replicator:
                 pending = self._capture_once()
                 break
             except wal.WalChanged as exc:
-                log.debug("WAL moved during capture, reading again: %s", exc)
+                log.debug("WAL moved during capture, reading again: %s", exc,
+                          extra={**self.log_fields, "reason": str(exc)})
             except _NeedResync as exc:
                 pending = self._resync(str(exc))
                 break
@@ -736,7 +744,8 @@ class Replicator:
 
     def _resync(self, reason: str) -> _Pending | None:
         self.stats.resync(reason)
-        log.info("replica cannot follow the WAL (%s); shipping a full file", reason)
+        log.info("replica cannot follow the WAL (%s); shipping a full file", reason,
+                 extra={**self.log_fields, "reason": reason})
         self._need_full = True
         return self._full_pending(self._consistent_image(with_delta=False)[1])
 
@@ -860,7 +869,8 @@ class Replicator:
             writer.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             self.stats.checkpoints_skipped += 1
-            log.info("checkpoint skipped, the database stayed locked: %s", exc)
+            log.info("checkpoint skipped, the database stayed locked: %s", exc,
+                     extra={**self.log_fields, "reason": str(exc)})
             return None
         finally:
             writer.execute(f"PRAGMA busy_timeout={self.options.busy_timeout_ms}")

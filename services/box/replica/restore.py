@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernel.logctx import ctx
 from kernel.ports import blocking
 from services.box.replica import ltx
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
@@ -116,7 +117,9 @@ async def restore_generation(
             return await _execute(store, bucket, plan, dest, pinned, concurrency, tuple(sorted(skipped)),
                                   durable=durable)
         except _BadRoot as bad:
-            log.warning("successor snapshot %s failed verification (%s); planning without it", bad.ref.key, bad.error)
+            log.warning("successor snapshot %s failed verification (%s); planning without it", bad.ref.key, bad.error,
+                        extra=ctx(phase="restore", reason=bad.error, key=bad.ref.key, location=location,
+                                  generation=generation))
             skipped.add(bad.ref.key)
         except _Vanished as gone:
             last = Refusal(
