@@ -25,6 +25,7 @@ from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
 from nats.js.api import ConsumerConfig
 
 from bus.subjects import FACTS_STREAM, alert_subject
+from kernel.logctx import ctx
 
 log = logging.getLogger("hostmove.bus")
 
@@ -103,7 +104,9 @@ def subscribe(
         except Exception as exc:  # noqa: BLE001 - every failure is handled below, never terms
             action = on_failure(md.num_delivered, pol)
             log.warning("%s: handler failed on %s (delivery %d): %s", service, raw.subject, md.num_delivered,
-                        _describe(exc))
+                        _describe(exc), extra=ctx(phase="deliver", reason=_describe(exc), subscriber=service,
+                                                  subject=raw.subject, delivery=md.num_delivered,
+                                                  stream_seq=md.sequence.stream))
             if isinstance(action, Nack):
                 await msg.nack(delay=action.delay_s)
                 return
@@ -116,7 +119,8 @@ def subscribe(
                 await broker.publish(msgspec.json.encode(alert), alert_subject("poison"), stream=FACTS_STREAM)
             except Exception as pub_exc:  # noqa: BLE001 - keep the message rather than drop it
                 log.error("%s: alert for %s not published (%s); keeping the message", service, raw.subject,
-                          _describe(pub_exc))
+                          _describe(pub_exc), extra=ctx(phase="deliver", reason=_describe(pub_exc),
+                                                        subscriber=service, subject=raw.subject))
                 await msg.nack(delay=pol.max_backoff_s)
                 return
             await msg.ack()

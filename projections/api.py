@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kernel.logctx import ctx
 from kernel.ports import Clock, WallClock
 from projections.openapi import DEFAULT_LIMIT, DEFAULT_WAIT_S, MAX_LIMIT, MAX_WAIT_S, document
 from projections.runner import Projector
@@ -125,7 +126,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("projection API request failed", extra={"path": request.path})
+        log.exception("projection API %s %s failed", request.method, request.path,
+                      extra=ctx(host=request.match_info.get("host"), phase="read-api", method=request.method,
+                                path=request.path))
         return _error(500, "internal", "the projection could not be read")
 
 
@@ -302,7 +305,7 @@ async def _run_projector(app: web.Application) -> AsyncIterator[None]:
             raise
         except Exception as exc:  # noqa: BLE001 - reported by /healthz and logged
             state.update(state="halted", reason=str(exc))
-            log.error("projector halted", extra={"reason": str(exc)})
+            log.error("projector halted: %s", exc, extra=ctx(phase="projection", reason=exc))
 
     task = asyncio.create_task(run())
     yield

@@ -15,13 +15,15 @@ after ``on_alert``: with ``poison="halt"`` (the default) the projector stops the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 from collections.abc import Callable
 from typing import Any, Literal
 
 from bus.log import EventLog, LogError, StoredMessage
-from bus.subjects import LEDGER_PREFIX
+from bus.subjects import LEDGER_PREFIX, SubjectError, parse_ledger_subject
+from kernel.logctx import ctx
 from kernel.ports import Clock, WallClock
 from projections.store import Applied, IdentityChanged, ProjectionError, ProjectionPoison, ProjectionStore
 
@@ -29,10 +31,12 @@ log = logging.getLogger("hostmove.projections")
 
 
 def _log_alert(exc: ProjectionError) -> None:
-    extra: dict[str, Any] = {"alert": "projection"}
+    extra: dict[str, Any] = ctx(phase="projection", reason=exc, alert="projection")
     if isinstance(exc, ProjectionPoison):
-        extra.update(seq=exc.seq, subject=exc.subject)
-    log.error(str(exc), extra=extra)
+        extra.update(reason=exc.reason, seq=exc.seq, subject=exc.subject)
+        with contextlib.suppress(SubjectError):
+            extra["host"] = parse_ledger_subject(exc.subject)[1]
+    log.error("projection alert: %s", exc, extra=extra)
 
 
 class Projector:
@@ -133,8 +137,9 @@ class Projector:
             except (ProjectionError, sqlite3.Error):
                 raise
             except (LogError, Exception) as exc:  # the log is unreachable: the outcome is unknown, retry
-                log.warning("projection catch-up failed, retrying", extra={"reason": str(exc)})
                 backoff = min(max(backoff * 2, self.poll_interval), 30.0)
+                log.warning("projection catch-up failed, retrying in %g s: %s", backoff, exc,
+                            extra=ctx(phase="projection", reason=exc))
                 await self._idle(backoff)
                 continue
             if self._stopped:

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from bus.log import EventLog, StoredMessage
 from bus.subjects import LEDGER_STREAM, SubjectError, parse_ledger_subject
 from events import DurableValueError, Transition, decode
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random, SystemRandom, WallClock
 from projections.fold import COLUMNS, HostRow, as_json, step
 
@@ -714,5 +715,6 @@ class ProjectionStore:
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{replaced}{suffix}")
-        log.info("projection rebuilt", extra={"identity": identity, "previous": old.identity})
+        log.info("projection rebuilt as %s (was %s)", identity, old.identity,
+                 extra=ctx(phase="projection", identity=identity, previous=old.identity))
         return identity
