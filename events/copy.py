@@ -112,6 +112,7 @@ COPY: dict[str, Copy] = _table(
      "The claim and the record of {host} disagree about move {move_id}. Nothing was changed; "
      "the recovery pass settles this."),
     ("M-R29", "door", "Unknown query parameter {name}. Allowed: {allowed}."),
+    ("M-R38", "door", "The query parameter {name} is not valid: {reason}."),
     ("M-R30", "door", "{what} is unreadable, so nothing was changed. Fix it and try again."),
     ("M-R31", "door",
      "The door hit an internal error. Its log has the details; repeating the request is safe and shows "

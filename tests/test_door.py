@@ -26,6 +26,7 @@ from services.door.decide import (
     DoorRefusal,
     Floor,
     MoveRequest,
+    body_depth,
     check_floor,
     check_host,
     choose,
@@ -33,6 +34,7 @@ from services.door.decide import (
     decide_cut,
     decide_move_claim,
     decide_move_record,
+    duplicate_key,
     parse_create_request,
     parse_empty,
     parse_move_request,
@@ -167,6 +169,20 @@ def test_move_body_defaults_to_a_manual_cut() -> None:
     refused(parse_create_request(b'{"label": "x"}'), 400, "M-R5")
     assert parse_empty(b"") is None and parse_empty(b" {} ") is None
     refused(parse_empty(b'{"force": true}'), 400, "M-R5")
+
+
+def test_deep_nesting_and_duplicate_keys_are_refused_before_they_are_taken() -> None:
+    """Issue 14 item 7: 30,000 levels under the 64 KiB cap is a 400 (it was a decoder's RecursionError, a 500), and
+    a field named twice is refused (the decoder kept the last)."""
+    deep = refused(parse_move_request(b"[" * 30_000 + b"]" * 30_000), 400, "M-R4")
+    assert "30000 levels deep" in deep.reason and "flat JSON object" in deep.reason
+    refused(parse_move_request(b'{"to": {"a": ' * 20 + b"1" + b"}" * 20 + b"}"), 400, "M-R4")
+    assert body_depth(b'{"to": "[[[{{{", "cut": "\\"[["}') == 1, "brackets inside strings do not nest"
+    twice = refused(parse_move_request(b'{"to": "uk", "to": "ie"}'), 400, "M-R4")
+    assert "'to' twice" in twice.reason
+    refused(parse_create_request(b'{"box": "ie-1", "box": "uk-1"}'), 400, "M-R4")
+    refused(parse_empty(b'{"x": 1, "x": 2}'), 400, "M-R4")
+    assert duplicate_key(b'{"a": {"b": 1, "b": 2}}') == "b" and duplicate_key(b'{"a": 1, "b": {"a": 2}}') is None
 
 
 @pytest.mark.parametrize("host", ["a", "kpmg.bdn.oncarlos.com", "x-1.y-2", "a" * 63 + ".b"])

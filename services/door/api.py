@@ -49,6 +49,7 @@ from services.door.auth import Identity, TokenSet
 from services.door.decide import (
     CONSOLE_PROTOCOL,
     FLOOR_KEY,
+    NAME_PATTERN,
     DoorRefusal,
     Floor,
     MoveRequest,
@@ -389,7 +390,7 @@ async def get_move(request: web.Request) -> web.Response:
     host = _host(request)
     raw = _query(request, ("detail",)).get("detail", "0").lower()
     if raw not in ("0", "1", "true", "false"):
-        raise _Refused(refuse(400, "M-R4", reason="detail must be 1, 0, true or false"))
+        raise _Refused(refuse(400, "M-R38", name="detail", reason="it must be 1, 0, true or false"))
     return _json(await request.app[DOOR].status(host, detail=raw in ("1", "true")))
 
 
@@ -480,7 +481,7 @@ def _resp(name: str, description: str) -> dict[str, Any]:
 
 _HOST_PARAM = {
     "name": "host", "in": "path", "required": True,
-    "schema": {"type": "string", "maxLength": 253,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 253,
                "pattern": r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"},
     "description": "the instance's host name: lowercase DNS labels joined by dots (percent-encoding is decoded)",
 }
@@ -612,14 +613,15 @@ def _schemas() -> dict[str, Any]:
         "MoveRequest": {
             "type": "object", "additionalProperties": False, "required": ["to"],
             "properties": {
-                "to": {"type": "string", "description": "the region to move to"},
+                "to": {"type": "string", "pattern": NAME_PATTERN, "description": "the region to move to"},
                 "cut": {"enum": ["auto", "manual"], "default": "manual",
                         "description": "manual (the API default, M6): cut on POST .../move/cut"},
             },
         },
         "CreateRequest": {
             "type": "object", "additionalProperties": False, "required": ["box"],
-            "properties": {"box": {"type": "string", "description": "a box label in the roster"}},
+            "properties": {"box": {"type": "string", "pattern": NAME_PATTERN,
+                                   "description": "a box label in the roster"}},
         },
         "Move": move,
         "ClaimOp": claim,

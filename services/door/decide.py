@@ -13,6 +13,7 @@ writes the same record (:func:`decide_move_record`).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -44,7 +45,9 @@ ABORTABLE = ("preparing", "ready")
 
 _HOST_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 _HOST_RE = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*$")
-_REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+"""A region name or a box label as the door takes them (``to``, ``box``); the OpenAPI document carries it."""
+_REGION_RE = re.compile(NAME_PATTERN)
 MAX_ECHO = 80
 
 
@@ -89,17 +92,69 @@ def check_host(host: str) -> DoorRefusal | None:
     return None
 
 
+MAX_BODY_DEPTH = 8
+"""A request body is one flat JSON object: text nested deeper than this is refused before it is decoded (a decoder
+recursing 30,000 levels deep failed the request with a 500)."""
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def body_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in JSON text, strings skipped: a scan of the bytes, no recursion, so it is
+    safe on any text within the door's body cap."""
+    depth = deepest = 0
+    for ch in _JSON_STRING.sub(b'""', body):
+        if ch in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in b"]}":
+            depth -= 1
+    return deepest
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Duplicate(key)
+        seen[key] = value
+    return seen
+
+
+def duplicate_key(body: bytes) -> str | None:
+    """The first key an object of ``body`` names twice, or None (JSON decoders keep the last; the door refuses)."""
+    try:
+        json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _Duplicate as exc:
+        return exc.key
+    except (ValueError, RecursionError):
+        return None  # not JSON at all: the decoder's refusal says so
+    return None
+
+
 def _object(body: bytes, allowed: tuple[str, ...], *, empty_ok: bool) -> dict[str, Any] | DoorRefusal:
     if not body.strip():
         if empty_ok:
             return {}
         return refuse(400, "M-R4", reason="it is empty; send a JSON object")
+    depth = body_depth(body)
+    if depth > MAX_BODY_DEPTH:
+        return refuse(400, "M-R4", reason=f"it nests {depth} levels deep; send one flat JSON object")
     try:
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         return refuse(400, "M-R4", reason=f"it is not JSON ({exc})")
     if not isinstance(value, dict):
         return refuse(400, "M-R4", reason="it must be a JSON object")
+    twice = duplicate_key(body)
+    if twice is not None:
+        return refuse(400, "M-R4", reason=f"it names the field {echo(twice)} twice")
     unknown = sorted(k for k in value if k not in allowed)
     if unknown:
         return refuse(400, "M-R5", field=echo(unknown[0]), allowed=", ".join(allowed) or "none")
