@@ -61,7 +61,8 @@ from services.box.instance.stamps import StampBook
 from services.box.instance.timers import TimerError, TimerRunner, Timers, TimersBusy
 from services.box.instance.timers import drain as drain_timers
 from services.door.api import Door
-from services.ledger.ledger import Committed, Ledger, Refusal
+from services.ledger.badobjects import BadObjects
+from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.move import park as parking
 from services.move.sides import (
     FAST,
@@ -186,6 +187,8 @@ class BoxAgent:
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock)
         self._sweep_next: dict[str, float] = {}
+        self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
+        """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
         self.sleep = SleepMarks(cfg.box_dir)
         self._activity: dict[str, Activity] = {}
         self._stopping: set[str] = set()
@@ -365,7 +368,16 @@ class BoxAgent:
                 self.demand(host)  # a due timer wakes a sleeping host; the next tick delivers it
 
     async def pass_host(self, host: str) -> PassResult:
-        """Read the claim and the record and do this box's next steps for ``host`` until none progresses."""
+        """Read the claim and the record and do this box's next steps for ``host`` until none progresses. A claim
+        or record that is never state (:class:`~services.ledger.ledger.BadObject`) ends the pass of this host
+        only: reported once per version, nothing started, stopped or written for it (C6); the scan looks again."""
+        try:
+            return await self._pass_host(host)
+        except BadObject as bad:
+            await self.bad_objects.report(bad)
+            return PassResult(host)
+
+    async def _pass_host(self, host: str) -> PassResult:
         out = PassResult(host)
         for _ in range(self.timing.max_steps):
             claim = (await self.ledger.read_claim(host)).state
@@ -435,7 +447,11 @@ class BoxAgent:
             if not key.endswith(".json"):
                 continue
             host = unquote(key[len(CLAIMS_PREFIX):-5])
-            claim = (await self.ledger.read_claim(host)).state
+            try:
+                claim = (await self.ledger.read_claim(host)).state
+            except BadObject as bad:  # this host only: every other claim is read on (issue 14 item 6)
+                await self.bad_objects.report(bad)
+                continue
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants):
                 hosts.add(host)
             elif claim is not None:
@@ -451,6 +467,9 @@ class BoxAgent:
         next_at = now + self.timing.sweep_s
         try:
             report = await self.sweeper.look(host, claim)
+        except BadObject as bad:
+            await self.bad_objects.report(bad)
+            report, next_at = SweepReport(), now + self.timing.sweep_s
         except Exception as exc:  # noqa: BLE001 - logged, retried: every step of the sweep is idempotent
             log.warning("straggler sweep of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
                         str(exc).splitlines()[0][:200] if str(exc) else "")

@@ -1,6 +1,8 @@
 """The ledger: the only writer of claims and records (ARCHITECTURE §4)."""
 
 from services.ledger.ledger import (
+    MAX_OBJECT_BYTES,
+    BadObject,
     Committed,
     Conflict,
     Crash,
@@ -14,6 +16,6 @@ from services.ledger.ledger import (
 )
 
 __all__ = [
-    "Committed", "Conflict", "Crash", "Current", "Ledger", "LedgerDefect", "NoChange", "Refusal",
-    "object_key", "validate_host",
+    "MAX_OBJECT_BYTES", "BadObject", "Committed", "Conflict", "Crash", "Current", "Ledger", "LedgerDefect",
+    "NoChange", "Refusal", "object_key", "validate_host",
 ]

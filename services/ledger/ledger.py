@@ -65,6 +65,24 @@ _CLASSES: dict[str, type[Claim] | type[Record]] = {"claim": Claim, "record": Rec
 _PREFIXES = {"claim": "control/hosts/", "record": "control/records/"}
 
 
+MAX_OBJECT_BYTES = 1024 * 1024
+"""The largest claim or record the ledger writes or takes as state (issue 14 item 6): checked on the bytes, before
+anything decodes them, on read and on write. A 30 MB claim written straight into the bucket was decoded as state
+by every agent's scan (both pinned at 100% CPU) and failed the door's move request with a 500."""
+
+
+class BadObject(DurableValueError):
+    """A claim or record that is never state: too large, changed outside the ledger, or failing its decoding. A
+    :class:`~events.durable.DurableValueError` (``decode_failed``) naming the object's ``key`` and the ``etag`` it
+    was read at, so the reader skips that host only and raises one alert per version
+    (:mod:`services.ledger.badobjects`)."""
+
+    def __init__(self, cause: DurableValueError, *, obj: ObjectKind, host: str, key: str, etag: str,
+                 size: int) -> None:
+        super().__init__("decode_failed", cause.limit, cause.reason, cause.path)
+        self.obj, self.host, self.key, self.etag, self.size = obj, host, key, etag, size
+
+
 class LedgerDefect(Exception):
     """The authority and the log disagree in a way no writer may paper over. Never act on it (C6)."""
 
@@ -184,10 +202,17 @@ class Ledger:
     async def read(self, obj: ObjectKind, host: str) -> Current[Claim] | Current[Record]:
         """A fresh read. Raises ``DurableValueError(decode_failed)`` for a corrupt or out-of-band
         object and ``StoreError`` for a failed read: neither is ever a reason to act (C6)."""
-        got = await self.store.get(self.bucket, object_key(obj, host))
+        key = object_key(obj, host)
+        got = await self.store.get(self.bucket, key)
         if not isinstance(got, Got):
             return Current(None, None, None, None)
-        return Current(self._validate(obj, host, got), got.etag, got.version_id, self._meta(got), got.body)
+        try:
+            if len(got.body) > MAX_OBJECT_BYTES:  # before anything decodes it
+                raise DurableValueError("decode_failed", "max_bytes",
+                                        f"the {obj} of {host} is {len(got.body)} bytes; at most {MAX_OBJECT_BYTES}")
+            return Current(self._validate(obj, host, got), got.etag, got.version_id, self._meta(got), got.body)
+        except DurableValueError as exc:
+            raise BadObject(exc, obj=obj, host=host, key=key, etag=got.etag, size=len(got.body)) from None
 
     async def read_claim(self, host: str) -> Current[Claim]:
         return await self.read("claim", host)  # type: ignore[return-value]
@@ -259,6 +284,9 @@ class Ledger:
             gen = (cur.state.gen if cur.state is not None else 0) + 1
             new = msgspec.structs.replace(decision, gen=gen, host=host)
             body = canonical(new)
+            if len(body) > MAX_OBJECT_BYTES:
+                raise DurableValueError("invalid_value", "max_bytes", f"the {obj} of {host} would be {len(body)} "
+                                        f"bytes; at most {MAX_OBJECT_BYTES}")
             decode(body, cls)  # what is written passes exactly the check it will meet on read
             meta = EventMeta(name=meta_name, actor=self.actor, at=self.clock.now_ms(), causation=causation)
             metadata = {META_EVENT: _b64(canonical(meta)), META_SHA: hashlib.sha256(body).hexdigest()}

@@ -83,7 +83,7 @@ from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
-from services.ledger.ledger import Committed, Ledger, Refusal
+from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.activator")
@@ -617,7 +617,11 @@ class Activator:
         for row in self.ctx.registry.rows():
             if self.ctx.tree.populated(row.host) and row.host not in self.running:
                 await self._stop_tree(row.host)
-                await self.flush_orphan(row.host)
+                try:
+                    await self.flush_orphan(row.host)
+                except BadObject as bad:  # its commits stay on this disk; its next stop or wake flushes them
+                    log.error("%s stopped; its local commits are not flushed while its %s is unreadable (%s)",
+                              row.host, bad.obj, bad.limit)
                 stopped.append(row.host)
         return stopped
 
