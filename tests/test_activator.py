@@ -21,7 +21,7 @@ import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
 from events import Actor, Claim
-from events.claim import Op
+from events.claim import LostBox, Op
 from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
@@ -143,10 +143,14 @@ def rows(port: int) -> dict:
 
 
 async def reassign(ledger: Ledger, host: str, box: str) -> None:
-    """Test set-up: the box is replaced (outside the move protocol) and the claim names the new one."""
+    """Test set-up: the box is replaced (outside the move protocol) and the claim names the new one, the old one
+    quarantined on its ``lost`` list as a fence leaves it (a serving claim that hands execution from one box to
+    another with neither is refused by the new box, K3)."""
     def decide(cur: Claim | None) -> Claim:
         assert cur is not None
-        return msgspec.structs.replace(cur, op=Op(kind="serving", exec=box, participants=(box,)))
+        old = cur.op.exec
+        lost = cur.lost if old in ("none", box) else (*cur.lost, LostBox(box=old))
+        return msgspec.structs.replace(cur, op=Op(kind="serving", exec=box, participants=(box,)), lost=lost)
 
     assert isinstance(await ledger.transition("claim", host, "test-replace-box", decide), Committed)
 

@@ -1,9 +1,11 @@
-"""What one bad or forged object in the store can do to the boxes (issue 14 item 6), on the real stack with
+"""What one bad or forged object in the store can do to the boxes (issue 14 items 5 and 6), on the real stack with
 box agents as processes (``tests/helpers/agents.py``).
 
 - A claim that fails its decoding, one over the size limit and one changed outside the ledger are skipped for their
   hosts only, each with one durable alert, while a box restarts; every other host serves within its wake time and
   the door answers 503 with its sentence for them.
+- A well-formed claim naming the other box, written straight into the store, is never two writers: the box that
+  runs the instance stops it within a pass and alerts; the other box does not start it (nothing handed it over).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from events.base import canonical, decode
 from events.ids import new_incarnation
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
-from services.agent.service import read_endpoint
+from services.agent.service import SECOND_WRITER, read_endpoint
 from services.door.api import Door, make_app
 from services.door.auth import TokenSet
 from services.hosts.create import create_host
@@ -161,3 +163,57 @@ def read_endpoint_session(w: AgentWorld, region: str, host: str) -> int:
         if body["host"] == host:
             return int(body["session"])
     raise AssertionError(f"{host} has no endpoint on {region}")
+
+
+async def test_a_forged_claim_naming_the_other_box_never_makes_two_writers(
+        stack: StackInfo, unique: Callable[[str], str], tmp_path: Any,
+        shared: tuple[S3Store, NatsEventLog, str]) -> None:
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=QUIET) as w:
+        since = await facts_seq(w)
+        host = f"{unique('forged')}.example.com"
+        await create(w, host)
+        await serving_port(w, "ie", host)
+        ie, uk = w.tree(w.labels["ie"]), w.tree(w.labels["uk"])
+        assert ie.populated(host) and not uk.populated(host)
+
+        both: list[float] = []
+        ie_stopped: list[float] = []
+        watching = True
+
+        async def watch() -> None:  # both boxes' process trees of the host, every 5 ms
+            while watching:
+                on_ie, on_uk = ie.populated(host), uk.populated(host)
+                if on_ie and on_uk:
+                    both.append(time.monotonic())
+                if not on_ie and not ie_stopped:
+                    ie_stopped.append(time.monotonic())
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None
+        forged = msgspec.structs.replace(claim, gen=claim.gen + 1, op=msgspec.structs.replace(
+            claim.op, exec=w.labels["uk"], participants=(w.labels["uk"],)))
+        await put_claim(w, host, canonical(forged))  # well-formed, labelled as the ledger labels its writes
+        forged_at = time.monotonic()
+        try:
+            await eventually(lambda: asyncio.sleep(0, bool(ie_stopped)), "the ie box to stop its instance", 15)
+            assert ie_stopped[0] - forged_at < 5.0, "within a pass (a scan every second)"
+
+            async def alerted() -> list[Fact]:
+                return [f for f in await alerts(w, SECOND_WRITER, since) if f.subject == host]
+
+            found = await eventually(alerted, "the second-writer alert", 15)
+            assert len(found) == 1 and found[0].payload["box"] == w.labels["ie"]
+            assert found[0].payload["claim_exec"] == w.labels["uk"]
+            await asyncio.sleep(4)  # several passes of both boxes
+        finally:
+            watching = False
+            await watcher
+        assert not both, "two writers at once"
+        assert not ie.populated(host) and not uk.populated(host), "ie does not restart it and uk never takes it"
+        note = json.loads((w.box_dir("ie") / "stops" / f"{host}.json").read_text())
+        assert note["claim_exec"] == w.labels["uk"] and "names" in note["reason"]
+        assert read_endpoint(w.box_dir("ie"), host) is None
+        assert "no move or relocation handed it over" in w.agents["uk"].output()

@@ -37,11 +37,13 @@ from urllib.parse import quote, unquote
 
 import aiohttp
 
-from bus.log import EventLog
+from bus.facts import Fact, publish_alert
+from bus.log import EventLog, LogError
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from kernel import ports
 from kernel.fsutil import atomic_write
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random
 from services.agent.config import (
     TIMER_PATH,
@@ -87,6 +89,8 @@ from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 log = logging.getLogger("hostmove.agent")
 
 CLAIMS_PREFIX = "control/hosts/"
+SECOND_WRITER = "second-writer"
+"""The alert of an instance this box stopped because its claim names another writer (issue 14 item 5)."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,46 @@ class BoxAgent:
         log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason)
         return f"{host} not started: {started.reason}"
 
+    def not_the_writer(self, claim: Claim | None) -> str | None:
+        """Why an instance running here may not run on (issue 14 item 5; §19.2 K1, K6), or None. Its claim must name
+        this box as ``op.exec``: every phase in which a box runs an instance of a host (§19.1: serving, a source
+        before ``stopping``, a landing's probe, a recovery probe, a relocation's replacement) has ``exec`` naming
+        it, and ``exec`` leaves a box only once its stop evidence says nothing runs (K3)."""
+        if claim is None:
+            return "it has no claim"
+        if claim.op.exec != self.label:
+            return f"its claim ({claim.op.kind}, gen {claim.gen}) names {claim.op.exec} as the writer, not this box"
+        return None
+
+    async def _stop_second_writer(self, host: str, claim: Claim | None, etag: str | None, why: str) -> str:
+        """Stop the instance of ``host`` this box runs while its claim names another writer: kill and drain its tree,
+        its final sync; then record why (``stops/<host>.json``) and alert (``hm.alert.second-writer``)."""
+        running = self.instances[host]
+        session, origin = running.session, running.origin
+        self._stopping.add(host)  # no timer delivery begins from here on
+        try:
+            await self.activator.stop(host)
+        finally:
+            self._stopping.discard(host)
+        self._activity.pop(host, None)
+        self.publish_endpoint(host)
+        now = self.clock.now_ms()
+        note = {"host": host, "box": self.label, "session": session, "origin": origin, "stopped_at": now,
+                "reason": why, "claim_gen": claim.gen if claim is not None else None, "claim_etag": etag,
+                "claim_exec": claim.op.exec if claim is not None else None}
+        path = self.cfg.box_dir / "stops" / f"{quote(host, safe='')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(path, json.dumps(note, sort_keys=True).encode(), mode=0o600)
+        log.error("stopped %s on %s (session %d, %s): %s; this box never keeps a second writer running", host,
+                  self.label, session, origin, why, extra=ctx(host=host, box=self.label, phase="second-writer",
+                                                               reason=why, session=session))
+        try:
+            await publish_alert(self.events, Fact(kind=SECOND_WRITER, subject=host, id=f"{self.label}:{session}",
+                                                  actor=self.ledger.actor, at=now, payload=note))
+        except LogError as exc:  # the stop stands and is recorded; the alert is logged above
+            log.warning("the second-writer alert for %s is not published: %s", host, exc)
+        return f"stopped here: {why}"
+
     async def _relocate(self, host: str, claim: Claim) -> list[str]:
         """This box is the replacement a relocation chose (:mod:`services.recovery.relocation`): the cold admission
         restores the host from the region's bucket and starts it, then the release makes it serve here."""
@@ -380,7 +424,13 @@ class BoxAgent:
     async def _pass_host(self, host: str) -> PassResult:
         out = PassResult(host)
         for _ in range(self.timing.max_steps):
-            claim = (await self.ledger.read_claim(host)).state
+            current = await self.ledger.read_claim(host)
+            claim = current.state
+            if host in self.instances:
+                why = self.not_the_writer(claim)
+                if why is not None:  # K6, before anything else: whatever a store write says, never two writers
+                    out.did.append(await self._stop_second_writer(host, claim, current.etag, why))
+                    return out
             record = (await self.ledger.read_record(host)).state
             if claim is None:
                 return out
@@ -452,11 +502,12 @@ class BoxAgent:
             except BadObject as bad:  # this host only: every other claim is read on (issue 14 item 6)
                 await self.bad_objects.report(bad)
                 continue
-            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants):
+            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
+                                      or host in self.instances):
                 hosts.add(host)
             elif claim is not None:
                 await self._sweep(host, claim)
-        return hosts
+        return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
     async def _sweep(self, host: str, claim: Claim) -> None:
         """One look of the straggler sweep at ``host`` when due (:mod:`services.sweeper.straggler`); a failure is

@@ -271,6 +271,12 @@ class Activator:
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
         if claim.op.exec != self.ctx.label:
             return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
+        if claim.op.kind == "serving":  # K3, K4: execution never goes from one box to another directly
+            holder = claim.holder
+            last = holder.admissions[-1].box if holder.admissions else holder.writer_box
+            if last and last != self.ctx.label and last not in {lost.box for lost in claim.lost}:
+                return (f"{host} names this box ({self.ctx.label}) as its writer, but its last writer was {last} and "
+                        "no move or relocation handed it over; it is not started here until its claim is put right")
         if row is not None and is_held(row.status) and not recovery_probe:
             return f"{host} is held ({row.status}) by operation {row.hold_op}"
         if row is not None and row.status == "failed":
