@@ -38,12 +38,15 @@ ObligationKind = Literal[
 class WriterRef(Durable, frozen=True):
     """A writer session a loss declaration names (§5.1 step 9, D§6: ``{box, generation, session,
     remote_max_txid}``; R14-2: unique by ``(box, session)``). Writes of that session past
-    ``remote_max_txid`` are declared lost."""
+    ``remote_max_txid`` are declared lost. ``local_txid`` is the session's local position last observed (the TXID
+    the box's own copy of it reached, when the admitting box could read that copy), 0 when none could be read: what
+    may be missing lies between the two."""
 
     box: Ident
     session: int
     generation: str = ""
     remote_max_txid: int = 0
+    local_txid: int = 0
 
 
 class Predecessor(Durable, frozen=True):

@@ -703,7 +703,9 @@ async def assert_landed(
         assert [a.generation for a in admissions] == [MV] and admissions[0].coverage == "sealed"
         assert admissions[0].writes_lost is None
         assert marker.marker.snapshot_key == manifest.snapshot_key
-    assert sorted(o.kind for o in claim.obligations) == ["park-staging", "park-superseded"]
+    # a restarted probe's publication retires the dead probe's generation here (§7.14 item 5)
+    owed = ["park-generation"] if restarted else []
+    assert sorted(o.kind for o in claim.obligations) == [*owed, "park-staging", "park-superseded"]
     box = worker.box
     row = box.registry.get(host)
     assert row is not None and row.hold_op == "" and not row.held, "the conditional open left the hold"

@@ -54,7 +54,16 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
-from services.box.instance.activator import SOURCE_SPAWNS_IN, Activator, AppSpec, BoxContext, Started
+from services.box.instance.activator import (
+    SOURCE_SPAWNS_IN,
+    Activator,
+    AppSpec,
+    BaselineRefused,
+    BoxContext,
+    Started,
+    StartFailed,
+    StartRefused,
+)
 from services.box.instance.instances import Instances
 from services.box.instance.proctree import ProcessTree
 from services.box.instance.registry import Registry, RouteRow
@@ -80,6 +89,7 @@ from services.move.sides import (
 from services.objstore.port import ObjectStore
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
+from services.sweeper.generations import ChoresReport
 from services.sweeper.straggler import StragglerSweep, SweepReport
 from services.target.probe import FAST as PROBE_FAST
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
@@ -189,7 +199,7 @@ class BoxAgent:
         self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
                                     self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
-            store, cfg.data_bucket, clock, timing=self.timing.move.park), clock)
+            store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events)
         self._sweep_next: dict[str, float] = {}
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
@@ -261,7 +271,10 @@ class BoxAgent:
             return ""  # an earlier wake failed: wait out its backoff, whatever the claim did meanwhile
         if self.registry.get(host) is None:
             self.registry.insert(RouteRow(host=host, status="ready", incarnation=claim.holder.incarnation))
-        started = await self.activator.wake(host)
+        try:
+            started: Started | StartRefused | StartFailed = await self.activator.wake(host)
+        except BaselineRefused as exc:  # alerted; nothing was admitted: held off like any refused start
+            started = StartRefused(host, str(exc))
         if isinstance(started, Started):
             self._held_off.pop(host, None)
             self._activity[host] = Activity(self.clock.monotonic(), None)
@@ -423,6 +436,7 @@ class BoxAgent:
 
     async def _pass_host(self, host: str) -> PassResult:
         out = PassResult(host)
+        chores: ChoresReport | None = None
         for _ in range(self.timing.max_steps):
             current = await self.ledger.read_claim(host)
             claim = current.state
@@ -434,6 +448,10 @@ class BoxAgent:
             record = (await self.ledger.read_record(host)).state
             if claim is None:
                 return out
+            if chores is None:  # once a pass: the park-generation chores this box owes (§7.14 item 5), the alerts
+                chores = await self.sweeper.generations.run(host)
+                out.did += list(chores.did)
+                await self.activator.flush_alerts()
             if claim.op.kind == "serving":
                 if claim.op.exec == self.label:
                     did = await self._serve(host, claim)

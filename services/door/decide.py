@@ -274,8 +274,11 @@ def decide_move_claim(
         return refuse(409, "M-R26", host=host, move_id=op.id, to_region=op.intent.get("to", "?"))
     if op.kind != "serving" or current.holder is None:
         return refuse(409, "M-R8", host=host, kind=op.kind)
-    if current.obligations:
-        return refuse(409, "M-R27", host=host, count=len(current.obligations))
+    # A park-generation retires a dead generation's own prefixes, which no operation ever writes again (a
+    # generation is opened once, §5.1 step 9): it blocks no move. Every other chore does (M-R27, CC11).
+    blocking = [o for o in current.obligations if o.kind != "park-generation"]
+    if blocking:
+        return refuse(409, "M-R27", host=host, count=len(blocking))
     source = roster.box(op.exec)
     if source is None:
         return refuse(409, "M-R14", host=host, box=op.exec)

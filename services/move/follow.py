@@ -26,6 +26,7 @@ import msgspec
 from events.claim import Claim, Obligation, Op, Scope
 from events.record import Record
 from kernel import rules
+from services.box.instance.coverage import cover_region_predecessors
 from services.ledger.ledger import NoChange, Refusal
 
 rules.register(
@@ -115,8 +116,11 @@ def claim_half(claim: Claim | None, record: Record | None) -> Claim | NoChange |
                                    incarnation=claim.holder.incarnation, evidence_at=staging_evidence_at(op, at))),
         )
         new_obligations = claim.obligations + tuple(o for o in obligations if o not in claim.obligations)
-        return msgspec.structs.replace(claim, op=msgspec.structs.replace(op, phase="committed"),
-                                       obligations=new_obligations)
+        # CoverRegionPredecessors (§7.14 item 6): the park of the source region's whole location covers every record
+        # whose predecessor is there (the landing's probe left the source's generation uncovered, another region)
+        return cover_region_predecessors(msgspec.structs.replace(
+            claim, op=msgspec.structs.replace(op, phase="committed"), obligations=new_obligations),
+            move.from_ or "source")
     if op.kind == "moving" and move.state in ("aborted", "reverting") and op.phase != "aborted":
         if claim.holder is None:
             return Refusal(f"a move {move.state} needs the claim's holder")

@@ -38,6 +38,7 @@ from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
 from kernel.timetext import utc_text
+from services.box.replica.layout import generation_prefixes
 from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
 
 log = logging.getLogger("hostmove.park")
@@ -121,6 +122,8 @@ class ParkManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listed_at: int
     archive: tuple[ArchivedVersion, ...]
     deletion: tuple[DeletedVersion, ...]
+    generation: str | None = None
+    """A ``park-generation``'s generation (``""`` the origin): the event holds only its prefixes."""
 
 
 @dataclass(frozen=True)
@@ -177,11 +180,25 @@ def in_scope(key: str, prefix: str) -> bool:
     return True
 
 
+def member_prefixes(prefix: str, generation: str | None) -> tuple[str, ...]:
+    """What a park lists: its location, or only a generation's prefixes inside it (``park-generation``)."""
+    if generation is None:
+        return (prefix,)
+    return generation_prefixes(prefix.rstrip("/"), generation)
+
+
+def is_member(key: str, prefix: str, generation: str | None) -> bool:
+    """A member of the scope (:func:`in_scope`) and, for a generation's park, of that generation."""
+    return in_scope(key, prefix) and any(key.startswith(p) for p in member_prefixes(prefix, generation))
+
+
 def plan_event(
-    entries: list[VersionEntry], *, host: str, op: str, event: str, prefix: str, scope: Scope, listed_at: int
+    entries: list[VersionEntry], *, host: str, op: str, event: str, prefix: str, scope: Scope, listed_at: int,
+    generation: str | None = None,
 ) -> ParkManifest:
     """The manifest of one event from a snapshot listing. Pure."""
-    members = sorted((e for e in entries if in_scope(e.key, prefix)), key=lambda e: (e.key, e.version_id))
+    members = sorted((e for e in entries if is_member(e.key, prefix, generation)),
+                     key=lambda e: (e.key, e.version_id))
     dest = destination(host, op, event)
     archive = tuple(
         ArchivedVersion(key=e.key, version_id=e.version_id, dest=f"{dest}{e.key}@{e.version_id}", etag=e.etag,
@@ -191,21 +208,24 @@ def plan_event(
     deletion = tuple(DeletedVersion(key=e.key, version_id=e.version_id, delete_marker=e.is_delete_marker)
                      for e in members)
     return ParkManifest(host=host, op=op, event=event, location=prefix, incarnation=scope.incarnation,
-                        evidence_at=scope.evidence_at, listed_at=listed_at, archive=archive, deletion=deletion)
+                        evidence_at=scope.evidence_at, listed_at=listed_at, archive=archive, deletion=deletion,
+                        generation=generation)
 
 
-def _check_members(manifest: ParkManifest, prefix: str, host: str, op: str, event: str) -> None:
+def _check_members(manifest: ParkManifest, prefix: str, host: str, op: str, event: str,
+                   generation: str | None = None) -> None:
     """INV-23: a persisted manifest is acted on only if it is this event's and every reference is in scope."""
     if not rules.on("park-scope-membership"):
         return
-    if (manifest.host, manifest.op, manifest.event, manifest.location) != (host, op, event, prefix):
+    if (manifest.host, manifest.op, manifest.event, manifest.location, manifest.generation) != (
+            host, op, event, prefix, generation):
         raise ParkError(f"the manifest of {destination(host, op, event)} belongs to another park; nothing was deleted")
     dest = destination(host, op, event)
     for a in manifest.archive:
-        if not in_scope(a.key, prefix) or a.dest != f"{dest}{a.key}@{a.version_id}":
+        if not is_member(a.key, prefix, generation) or a.dest != f"{dest}{a.key}@{a.version_id}":
             raise ParkError(f"the manifest of {dest} names {a.key!r} outside its scope; nothing was deleted")
     for d in manifest.deletion:
-        if not in_scope(d.key, prefix):
+        if not is_member(d.key, prefix, generation):
             raise ParkError(f"the manifest of {dest} names {d.key!r} outside its scope; nothing was deleted")
 
 
@@ -234,10 +254,12 @@ class Parker:
         except msgspec.DecodeError as exc:
             raise ParkError(f"the park manifest {key} is unreadable ({exc}); nothing was deleted") from None
 
-    async def park_scope(self, *, host: str, op: str, kind: str, scope: Scope) -> ParkOutcome:
-        """Park everything under ``scope.location`` and verify after the horizon (§6.4). Idempotent: call it
-        again after a crash or a :class:`Waiting` answer with the same arguments (the scope is persisted on
-        the claim, so the evidence time is the original one)."""
+    async def park_scope(self, *, host: str, op: str, kind: str, scope: Scope,
+                         generation: str | None = None) -> ParkOutcome:
+        """Park everything under ``scope.location`` (with ``generation``: only that generation's prefixes in it,
+        a ``park-generation``) and verify after the horizon (§6.4). Idempotent: call it again after a crash or a
+        :class:`Waiting` answer with the same arguments (the scope is persisted on the claim, so the evidence time
+        is the original one)."""
         prefix = location_prefix(scope.location, host)
         if scope.evidence_at is None:
             raise ParkError(f"the {kind} scope of {host} has no evidence time; a park never starts its own horizon")
@@ -251,14 +273,16 @@ class Parker:
             event = f"{kind}-{n}"
             manifest = await self.read_manifest(host, op, event)
             if manifest is not None:  # a replay: finish the event as its immutable manifest says
-                _check_members(manifest, prefix, host, op, event)
+                _check_members(manifest, prefix, host, op, event, generation)
                 await self._delete_set(manifest)
                 events.append(event)
                 n += 1
                 continue
             listed_at = self.clock.now_ms()  # taken before the listing: the listing is no older than this
-            entries = await self.store.list_versions(self.bucket, prefix)
-            plan = plan_event(entries, host=host, op=op, event=event, prefix=prefix, scope=scope, listed_at=listed_at)
+            entries = [e for p in member_prefixes(prefix, generation)
+                       for e in await self.store.list_versions(self.bucket, p)]
+            plan = plan_event(entries, host=host, op=op, event=event, prefix=prefix, scope=scope, listed_at=listed_at,
+                              generation=generation)
             if not plan.deletion:
                 if not rules.on("park-verify-after-horizon") or listed_at > deadline:
                     log.info("park %s of %s acknowledged after %d event(s)", kind, host, len(events),
@@ -286,7 +310,7 @@ class Parker:
             written = await self.read_manifest(plan.host, plan.op, plan.event)
             if written is None:
                 raise ParkError(f"the manifest {key} was refused as existing but cannot be read; nothing was deleted")
-            _check_members(written, plan.location, plan.host, plan.op, plan.event)
+            _check_members(written, plan.location, plan.host, plan.op, plan.event, plan.generation)
             plan = written
         self._fault("after_manifest")
         await self._delete_set(plan)

@@ -39,6 +39,7 @@ import msgspec
 from events.claim import Claim, Obligation, Scope
 from events.record import Move, Record, Rollback
 from kernel import rules
+from services.box.instance.coverage import cover_region_predecessors
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import staging_scope_location
 from services.move.guards import step_allowed
@@ -127,9 +128,12 @@ def decide_target_released(claim: Claim | None, move_id: str, target: str, evide
                                evidence_at=evidence_at)),
     )
     journal = {**op.journal, "evidence.target": evidence}
-    return msgspec.structs.replace(
+    released = msgspec.structs.replace(
         claim, op=msgspec.structs.replace(op, exec="none", journal=journal),
         obligations=claim.obligations + tuple(o for o in owed if o not in claim.obligations))
+    # CoverRegionPredecessors (§7.14 item 6): the target region's whole-location park covers the records whose
+    # predecessors are there (a restarted probe's dead generations); the source's recovery is born covered after it
+    return cover_region_predecessors(released, region) if owed else released
 
 
 def decide_source_claimed(claim: Claim | None, move_id: str, source: str) -> Claim | NoChange | Refusal:

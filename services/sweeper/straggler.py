@@ -23,17 +23,20 @@ The deciders are pure; :class:`StragglerSweep` is the thin runner the box agent 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 
+from bus.log import EventLog
 from events.claim import Claim, Obligation, Scope
 from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
+from services.box.instance.coverage import pending_generation_chores
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.park import Acknowledged, Parker, location_prefix
+from services.sweeper.generations import GenerationParks
 
 log = logging.getLogger("hostmove.sweeper")
 
@@ -132,10 +135,20 @@ class StragglerSweep:
     ledger: Ledger
     parker: Parker
     clock: Clock
+    events: EventLog | None = None
+    generations: GenerationParks = field(init=False)
+    """The ``park-generation`` chores this box owns (:mod:`services.sweeper.generations`)."""
+
+    def __post_init__(self) -> None:
+        self.generations = GenerationParks(self.box, self.region, self.ledger, self.parker, self.events)
 
     async def look(self, host: str, claim: Claim | None) -> SweepReport:
         """``claim``: the caller's fresh read (the agent's scan just read it); every write re-checks the claim it
-        reads in its CAS (K5)."""
+        reads in its CAS (K5). A host this box does not serve may still owe it chores (a publication of its last
+        stay here): they run first."""
+        if pending_generation_chores(claim, self.box):
+            chores = await self.generations.run(host)
+            return SweepReport("; ".join(chores.did), chores.wake_at)
         if not rules.on("straggler-sweep"):
             return SweepReport()
         ob = pending_sweep(claim, self.box, self.region)

@@ -33,6 +33,7 @@ from urllib.parse import quote
 
 import msgspec
 
+from bus.log import LogError
 from events.base import canonical
 from events.claim import Claim
 from events.ids import new_op_id
@@ -54,6 +55,7 @@ from services.box.artifacts.markers import (
 from services.box.artifacts.sealing import PrivateKey
 from services.box.instance.activator import purge_local_db
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
+from services.box.instance.coverage import PublishRequest, publish_generation
 from services.box.instance.guard import host_guard
 from services.box.instance.instances import AlreadyRunning, Instance, Instances
 from services.box.instance.proctree import ProcessTree
@@ -68,7 +70,7 @@ from services.box.replica.replicator import Replicator
 from services.box.replica.restore import RestoreRefused, restore_files, restore_generation
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
-from services.objstore.port import Got, Lost, ObjectStore
+from services.objstore.port import Got, Lost, ObjectStore, StoreError
 from services.target import phases
 from services.target.phases import Expect
 from services.target.probe import FAST, ProbeApp, ProbeTiming, run_probe
@@ -699,7 +701,26 @@ class LandingWorker:
                                                       current.etag), Lost):
             raise LandingFailure("generation.json changed under the probe's admission")
         log.info("landing %s %s: probe admitted into %s from %s", host, move.id, new_gen, base)
+        await self._publish(host, out.state)
         return new_gen
+
+    async def _publish(self, host: str, claim: Claim) -> None:
+        """``PublishGeneration`` after the probe's marker (§7.14 item 5: every cold admission publishes, a prepared
+        generation's included): the source's generation stays uncovered for the commit (another region); a
+        restarted probe's dead generation here gets its ``park-generation``. A refusal or an outage leaves the records
+        for the next publication."""
+        assert claim.holder is not None
+        box = self.box
+        req = PublishRequest(box=box.label, region=box.region, observed_op_id=claim.op.id,
+                             observed_phase=claim.op.phase, observed_session=claim.holder.session,
+                             published_generation=claim.holder.generation, now_ms=box.clock.now_ms())
+        try:
+            published = await publish_generation(box.ledger, host, req, causation=f"probe:{box.label}")
+        except (StoreError, LogError) as exc:
+            log.warning("landing %s: generation %s not published: %s", host, claim.holder.generation, exc)
+            return
+        if isinstance(published, Refusal):
+            log.info("landing %s: generation %s not published: %s", host, claim.holder.generation, published.reason)
 
     async def _replicated(self, host: str, move: Move, generation: str, app: ProbeApp) -> ProbeInstance:
         """Open the admitted session's replication into ``generation`` (its position is the anchor's, §5.1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -39,11 +40,13 @@ from pathlib import Path
 
 import aiohttp
 
+from bus.facts import Fact, publish_alert
+from bus.log import EventLog, LogError
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.claim import Claim
 from events.record import Rollback
 from kernel import rules
-from kernel.fsutil import fsync_dir
+from kernel.fsutil import atomic_write, fsync_dir
 from kernel.ports import Clock, Random, blocking, free_port, http_status
 from services.box.artifacts.archive import ArchiveError, UnsupportedEntry
 from services.box.artifacts.filesmanifest import (
@@ -59,10 +62,12 @@ from services.box.artifacts.filesmanifest import (
     restore_files,
 )
 from services.box.artifacts.markers import (
+    ORIGIN,
     FilesGen,
     GenerationMarker,
     Refused,
     RestoreCold,
+    admission_chain,
     cold_predecessor,
     normalize,
     publish_generation_marker,
@@ -74,17 +79,18 @@ from services.box.artifacts.markers import (
     write_local_gen,
 )
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
+from services.box.instance.coverage import ROOT, PublishRequest, link_covered, publish_generation
 from services.box.instance.guard import Guarded, host_guard
 from services.box.instance.instances import Instance, Instances, unshipped_path
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.instance.registry import Registry, is_held
 from services.box.instance.stamps import StampBook, installation_artifacts
-from services.box.replica.layout import GenerationScope, list_generation
+from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
-from services.objstore.port import Got, Lost, ObjectStore
+from services.objstore.port import Got, Lost, ObjectStore, StoreError
 
 log = logging.getLogger("hostmove.activator")
 
@@ -107,6 +113,19 @@ rules.register(
     section="§5.3 step 5 (a final checkpoint of the local database into the box's own instances/)",
     meaning="a stop with no replicating process left flushes the local database's committed state first",
     site="services/box/instance/activator.py Activator.flush_orphan",
+)
+rules.register(
+    "covered-baseline-refused",
+    section="§7.14 item 3 (a covered local baseline refuses and alerts); claim 6.22, R13-1",
+    meaning="the run walk never restores a generation already covered (queued for retirement, or retired)",
+    site="services/box/instance/activator.py Activator._baseline",
+)
+rules.register(
+    "restore-selected-baseline",
+    section="§7.14 item 3; R14-1",
+    meaning="a start restores what the run walk selected: the nearest uncovered local link with an object, else "
+            "the marker's generation",
+    site="services/box/instance/activator.py Activator._baseline",
 )
 rules.register(
     "source-serves-before-stopping",
@@ -287,7 +306,40 @@ class Activator:
         return None
 
     async def _baseline(self, claim: Claim) -> tuple[str | None, int]:
-        """This region's baseline: the newest generation on the admissions chain holding objects."""
+        """This region's baseline, by the run walk (§7.14 item 3, §5.1 step 9; protocol digest "Run walk"): from
+        ``holder.generation`` back along the unfinished admissions to the generation ``generation.json`` names
+        (absent is the origin), newest first: a link in another region is passed over; a link already covered
+        (queued for retirement, or retired) refuses, with an alert (rule ``covered-baseline-refused``); the nearest
+        local link holding an object is the baseline; else the marker's generation. ``(None, 0)``: an empty start."""
+        holder = claim.holder
+        assert holder is not None
+        if not rules.on("restore-selected-baseline"):  # the mutation: the newest generation anywhere on the chain
+            return await self._newest_with_objects(claim)
+        marker = await read_generation_marker(self.ctx.data_store, self.ctx.data_bucket, holder.location)
+        named = normalize(marker.marker.op) if marker.marker is not None else ORIGIN
+        chain = admission_chain(claim)
+        links = chain[: chain.index(named) + 1] if named in chain else chain[:1]
+        regions = {normalize(a.generation): a.region for a in holder.admissions}
+        for link in links:
+            if regions.get(link, self.ctx.region) != self.ctx.region:
+                continue  # a foreign link: its objects are in its own region's bucket
+            if link_covered(claim, self.ctx.region, link) and rules.on("covered-baseline-refused"):
+                why = (f"the baseline generation {link or 'origin'} of {claim.host} is already covered (queued for "
+                       "retirement or retired); this box does not restore it")
+                outbox = AlertOutbox(self.ctx.box_dir)
+                outbox.add(Fact(kind="baseline-refused", subject=claim.host,
+                                id=f"{claim.host}:{holder.session}:{link or ROOT}", actor=self.ctx.ledger.actor,
+                                at=self.ctx.clock.now_ms(), payload={"generation": link, "reason": why}))
+                await outbox.flush(self.ctx.ledger.events)
+                raise BaselineRefused(why)
+            files = await list_generation(self.ctx.data_store, self.ctx.data_bucket,
+                                          GenerationScope(holder.location, link))
+            if files:
+                return link, max(f.max_txid for f in files)
+        return None, 0
+
+    async def _newest_with_objects(self, claim: Claim) -> tuple[str | None, int]:
+        """The newest generation on the admissions chain holding objects, whatever covers it (the rule's mutation)."""
         assert claim.holder is not None
         chain = [claim.holder.generation]
         for adm in reversed(claim.holder.admissions):
@@ -300,6 +352,64 @@ class Activator:
             if files:
                 return gen, max(f.max_txid for f in files)
         return None, 0
+
+    async def _predecessor_empty(self, claim: Claim) -> bool:
+        """Does the predecessor generation (the last record's, or the holder's before any record) hold nothing at
+        all? Only this region's bucket can say: a foreign predecessor counts as holding something (§7.14 item 1)."""
+        holder = claim.holder
+        assert holder is not None
+        last = holder.admissions[-1] if holder.admissions else None
+        generation = last.generation if last is not None else holder.generation
+        if last is not None and last.region != self.ctx.region:
+            return False
+        return not await generation_holds_objects(self.ctx.data_store, self.ctx.data_bucket, holder.location,
+                                                  generation)
+
+    async def _publish(self, claim: Claim) -> None:
+        """``PublishGeneration`` for the admitted session (§7.14 item 5, after the marker): the walk over the uncovered
+        records queues this region's ``park-generation`` chores and covers them. A refusal (the claim moved on) or a
+        store or bus outage leaves the records uncovered for the next admission's publication: logged, never a
+        failed start."""
+        holder = claim.holder
+        assert holder is not None
+        req = PublishRequest(box=self.ctx.label, region=self.ctx.region, observed_op_id=claim.op.id,
+                             observed_phase=claim.op.phase, observed_session=holder.session,
+                             published_generation=holder.generation, now_ms=self.ctx.clock.now_ms())
+        try:
+            out = await publish_generation(self.ctx.ledger, claim.host, req, causation=f"wake:{self.ctx.label}")
+        except (StoreError, LogError) as exc:
+            log.warning("generation %s of %s not published (the next admission publishes): %s", holder.generation,
+                        claim.host, exc)
+            return
+        if isinstance(out, Refusal):
+            log.info("generation %s of %s not published: %s", holder.generation, claim.host, out.reason)
+
+    async def _declare(self, claim: Claim) -> None:
+        """One alert per loss declaration of the admission just made (§7.14 item 2, INV-21), after its CAS, through
+        the box's durable outbox (:class:`AlertOutbox`: retried until delivered)."""
+        holder = claim.holder
+        assert holder is not None
+        record = holder.admissions[-1] if holder.admissions else None
+        if record is None:
+            return
+        outbox = AlertOutbox(self.ctx.box_dir)
+        for ref in (record.writes_lost, *record.additional_writes_lost):
+            if ref is None:
+                continue
+            outbox.add(Fact(kind="writes-lost", subject=claim.host, id=f"{claim.host}:{ref.box}:{ref.session}",
+                            actor=self.ctx.ledger.actor, at=self.ctx.clock.now_ms(), payload={
+                                "box": ref.box, "session": ref.session, "generation": ref.generation,
+                                "remote_max_txid": ref.remote_max_txid, "local_txid": ref.local_txid,
+                                "declared_by": {"box": record.box, "session": record.session,
+                                                "generation": record.generation}}))
+            log.error("writes of %s by %s session %d past TXID %d (its own copy was at %s) are declared lost by the "
+                      "admission of session %d", claim.host, ref.box, ref.session, ref.remote_max_txid,
+                      ref.local_txid or "an unknown position", record.session)
+        await outbox.flush(self.ctx.ledger.events)
+
+    async def flush_alerts(self) -> int:
+        """Deliver what the outbox still holds (the agent's passes call it); answers how many are left."""
+        return await AlertOutbox(self.ctx.box_dir).flush(self.ctx.ledger.events)
 
     async def _certified(self, claim: Claim, baseline: str | None, remote_max: int) -> bool:
         """Does a clean-close certificate cover the predecessor session (the last admission)?"""
@@ -347,7 +457,7 @@ class Activator:
                 observed_phase=claim.op.phase, observed_kind=claim.op.kind,
                 observed_session=claim.holder.session, observed_generation=claim.holder.generation,
                 new_generation=generation, remote_max_txid=remote_max, predecessor_certified=certified,
-                coverage=coverage,
+                coverage=coverage, predecessor_holds_nothing=await self._predecessor_empty(claim),
             )
             admitted = await self.ctx.ledger.transition(
                 "claim", host, "admit-writer", lambda cur: decide_admit_writer(cur, request),
@@ -356,6 +466,9 @@ class Activator:
             if not isinstance(admitted, Committed):
                 why = admitted.reason if isinstance(admitted, Refusal) else "the claim changed; wake again"
                 return StartRefused(host, why)
+            await self._declare(admitted.state)
+            if not rules.on("baseline-live"):  # the mutation: rev 7.10's chore at the admission, before the marker
+                await self._publish(admitted.state)
             g.claim = admitted.state
             self.ctx.stamps.init_record(g, self.ctx.label)
             return await self._attempts(g, admitted.state, baseline)
@@ -431,6 +544,8 @@ class Activator:
         except BaseException:
             await replicator.close()
             raise
+        if rules.on("baseline-live"):  # only now, with the marker naming the new generation (R10-2)
+            await self._publish(claim)
         running = Instance(host, port, holder.session, holder.generation, holder.location, replicator, "wake")
         running.task = asyncio.create_task(replicator.run(running.stop, interval_s=self.policy.sync_interval_s))
         self.running.enter(running)
@@ -645,12 +760,45 @@ class StartCheckRefused(Exception):
     """The markers do not name what the claim expects (§5.1 start check): refuse and page, never retry."""
 
 
+class BaselineRefused(Exception):
+    """The run walk met a covered local baseline (§7.14 item 3): nothing was admitted and nothing started; the
+    operator is alerted (``baseline-refused``) and the agent tries again after its backoff."""
+
+
+class AlertOutbox:
+    """Alerts a box owes (§7.14 item 2: one per loss declaration, "retried until delivered"): each is a file under
+    ``<box>/alerts/`` until the stream has it. The fact's id makes a redelivery one alert (``Nats-Msg-Id``)."""
+
+    def __init__(self, box_dir: Path) -> None:
+        self.dir = box_dir / "alerts"
+
+    def add(self, fact: Fact) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = hashlib.sha256(f"{fact.kind}:{fact.id}".encode()).hexdigest()[:32]
+        atomic_write(self.dir / f"{name}.json", canonical(fact), mode=0o600)
+
+    def pending(self) -> list[Path]:
+        return sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+
+    async def flush(self, events: EventLog) -> int:
+        left = 0
+        for path in self.pending():
+            try:
+                await publish_alert(events, decode(path.read_bytes(), Fact))
+            except LogError as exc:
+                log.warning("alert %s not delivered yet: %s", path.name, exc)
+                left += 1
+                continue
+            path.unlink(missing_ok=True)
+        return left
+
+
 def remove_box_data(ctx: BoxContext) -> None:
     """Lose the disk (tests and the simulation): the box's data directory is gone."""
     shutil.rmtree(ctx.data_dir, ignore_errors=True)
 
 
 __all__ = [
-    "Activator", "AppSpec", "BoxContext", "Certificate", "StartFailed", "StartPolicy", "StartRefused", "Started",
-    "certificate_key", "purge_local_db", "replication_position",
+    "Activator", "AlertOutbox", "AppSpec", "BaselineRefused", "BoxContext", "Certificate", "StartFailed",
+    "StartPolicy", "StartRefused", "Started", "certificate_key", "purge_local_db", "replication_position",
 ]

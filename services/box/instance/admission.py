@@ -5,7 +5,14 @@ Every admission is **cold** while ruling P7 stands (§0.5): a new generation, a 
 ``keep_stamp``, an admissions record whose predecessor is the **last record** (never the holder
 fields), and ``writes_lost`` declared for the predecessor when the admission's coverage is ``""``,
 no clean-close certificate covers the predecessor session and the predecessor had a writer box
-(D§6 "writes_lost only for coverage "" ∧ no certificate ∧ a predecessor with a box").
+(D§6 "writes_lost only for coverage "" ∧ no certificate ∧ a predecessor with a box"; rule ``writes-lost``).
+
+The record (§7.14 item 1): ``region`` is the admitted box's; ``predecessor_region`` the last record's ``region`` (before
+any record, the writer box's), ``""`` when the predecessor generation holds nothing anywhere (the caller observed it
+empty in its own region, where its writer wrote); born covered (item 5) when the claim already holds a
+whole-location park of the predecessor's region (:func:`services.box.instance.coverage.born_covered`). The caller's
+``additional_writes_lost`` and ``writes_lost`` are unique by ``(box, session)`` across both (R14-2, INV-21; rule
+``unique-declarations``): a session supplied twice is declared once.
 """
 
 from __future__ import annotations
@@ -16,14 +23,24 @@ import msgspec
 
 from events.claim import Admission, Claim, Predecessor, WriterRef
 from kernel import rules
+from services.box.instance.coverage import born_covered, trim_admissions
 from services.ledger.ledger import Refusal
+
+rules.register(
+    "writes-lost",
+    section="§5.1 step 9 (writes_lost), §7.14 items 1, 2; R9-2",
+    meaning="a cold admission over an uncertified predecessor session with a writer box records writes_lost",
+    site="services/box/instance/admission.py decide_admit_writer",
+)
+rules.register(
+    "unique-declarations",
+    section="§7.14 item 2 (unique by (box, session) across writes_lost and additional_writes_lost); R14-2, INV-21",
+    meaning="a writer session is declared lost once per admission record, however often the caller names it",
+    site="services/box/instance/admission.py decide_admit_writer",
+)
 
 REFUSED_KINDS = frozenset({"creating", "deleting", "parking", "purging", "placing", "free"})
 """Kinds under which no writer is admitted (D§3.7, INV-13)."""
-
-MAX_ADMISSIONS = 8
-"""Covered records are trimmed from the front while more than this many remain (D§2.1)."""
-
 
 @dataclass(frozen=True)
 class AdmitRequest:
@@ -42,13 +59,21 @@ class AdmitRequest:
     remote_max_txid: int = 0  # the predecessor's newest uploaded TXID in this region
     predecessor_certified: bool = False  # a clean-close certificate covers the predecessor session
     additional_writes_lost: tuple[WriterRef, ...] = field(default_factory=tuple)
+    predecessor_holds_nothing: bool = False
+    """The predecessor generation holds no object anywhere (the caller listed its region, where its writer wrote):
+    ``predecessor_region`` is ``""`` and the publication covers the record with no chore (§7.14 item 1)."""
 
 
-def _trim(admissions: list[Admission]) -> list[Admission]:
-    """Trim covered records from the front only, while more than eight, stopping at the first uncovered."""
-    while len(admissions) > MAX_ADMISSIONS and admissions[0].covered:
-        admissions.pop(0)
-    return admissions
+def unique_declarations(first: WriterRef | None, more: tuple[WriterRef, ...]) -> tuple[WriterRef, ...]:
+    """``more`` without the sessions ``first`` or an earlier entry already declares (R14-2)."""
+    seen = {(first.box, first.session)} if first is not None else set()
+    out = []
+    for ref in more:
+        if (ref.box, ref.session) in seen and rules.on("unique-declarations"):
+            continue
+        seen.add((ref.box, ref.session))
+        out.append(ref)
+    return tuple(out)
 
 
 def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Refusal:
@@ -78,13 +103,13 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
         else Predecessor(session=0, box=holder.writer_box, generation=holder.generation, stamp=holder.stamp)
     )
     predecessor_region = last.region if last is not None else (req.region if holder.writer_box else "")
+    if req.predecessor_holds_nothing:
+        predecessor_region = ""
     writes_lost = None
-    if req.coverage == "" and not req.predecessor_certified and predecessor.box:
+    uncertified = req.coverage == "" and not req.predecessor_certified and bool(predecessor.box)
+    if uncertified and rules.on("writes-lost"):  # the mutation: nothing is ever declared
         writes_lost = WriterRef(box=predecessor.box, session=predecessor.session,
                                 generation=predecessor.generation, remote_max_txid=req.remote_max_txid)
-    declared = {(w.box, w.session) for w in req.additional_writes_lost}
-    if writes_lost is not None and (writes_lost.box, writes_lost.session) in declared:
-        return Refusal("a loss is declared twice for one writer session")
     record = Admission(
         session=new_gen,
         box=req.box,
@@ -94,9 +119,9 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
         predecessor_region=predecessor_region,
         mode="cold",
         coverage=req.coverage,
-        covered=False,
+        covered=born_covered(current, predecessor_region),
         writes_lost=writes_lost,
-        additional_writes_lost=req.additional_writes_lost,
+        additional_writes_lost=unique_declarations(writes_lost, req.additional_writes_lost),
     )
     keep = req.keep_stamp and holder.stamp > holder.session
     new_holder = msgspec.structs.replace(
@@ -105,6 +130,6 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
         writer_box=req.box,
         generation=req.new_generation,
         stamp=holder.stamp if keep else new_gen,
-        admissions=tuple(_trim([*holder.admissions, record])),
+        admissions=trim_admissions([*holder.admissions, record]),
     )
     return msgspec.structs.replace(current, holder=new_holder)

@@ -148,6 +148,27 @@ class GenerationScope:
         return None if self.is_origin else self.prefix + name
 
 
+def generation_prefixes(location: str, generation: str) -> tuple[str, ...]:
+    """Every prefix a generation's objects live under, what retiring it removes (§6.4 ``park-generation``): an
+    operation's generation is ``g-<op>/`` (its LTX files, build intent, install manifest and clean-close
+    certificates) and its files namespace ``files/g-<op>/`` (§8.3); the origin lives directly under the location,
+    so it is its level directories and its certificates, never another generation's prefix, ``files/``,
+    ``generation.json`` or ``lock.json``."""
+    scope = GenerationScope(location, generation)
+    if scope.is_origin:
+        return (*(f"{scope.location}/{level:04d}/" for level in range(MAX_LEVEL + 1)), f"{scope.location}/closed/")
+    return scope.prefix, f"{scope.location}/files/g-{scope.generation}/"
+
+
+async def generation_holds_objects(store: ObjectStore, bucket: str, location: str, generation: str) -> bool:
+    """Does the generation hold any current object in this bucket (its replica files, its files namespace, its
+    certificates)?"""
+    for prefix in generation_prefixes(location, generation):
+        if await store.list_keys(bucket, prefix):
+            return True
+    return False
+
+
 async def list_generation(store: ObjectStore, bucket: str, scope: GenerationScope) -> list[FileRef]:
     """Every **current** replica file of the generation (§5.1 step 4: current versions only)."""
     keys = await store.list_keys(bucket, scope.prefix)

@@ -1,0 +1,123 @@
+"""``park-generation``: retiring one dead generation of a host's location in one region (spec §5.1 step 9, §6.4,
+§7.14 items 5, 6; protocol digest D§8 "Obligations queued ... plus park-generation").
+
+A cold admission's publication (:func:`services.box.instance.coverage.decide_publish_generation`) queues one chore
+per dead generation whose objects are in the publishing region, owned by the publishing box, with its persisted
+scope ``{location, incarnation, evidence_at}`` (``evidence_at``: the superseding publication). The owner runs it
+like every other park (:class:`services.move.park.Parker`): every version under the generation's prefixes
+(:func:`services.box.replica.layout.generation_prefixes`: its replica files, certificates, build journal and files
+namespace; the origin's level directories) is copied by ``versionId`` into ``superseded/<host>/<op>/<event>/`` with
+an immutable manifest, then deleted by ``versionId``; it acknowledges only on an empty listing taken later than
+``evidence_at + H`` (a late upload found then is one more event), every reference checked against the scope.
+
+Before the park the claim is read again (K5) and the chore refused while its generation is the host's current one
+or the baseline of an admission not yet covered (rule ``baseline-live``): the chore waits, nothing is touched. The
+acknowledgement is one claim CAS that removes exactly that obligation and raises the region's ``quiet_after``; its
+event, and a ``park-acknowledged`` fact, say what was retired.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from bus.facts import Fact, publish_fact
+from bus.log import EventLog, LogError
+from events.claim import Claim, Obligation
+from kernel.logctx import ctx
+from services.box.instance.coverage import (
+    chore_generation,
+    decide_generation_parked,
+    pending_generation_chores,
+    retire_refusal,
+)
+from services.ledger.ledger import Committed, Ledger, NoChange
+from services.move.park import Acknowledged, Parker, ParkError
+
+log = logging.getLogger("hostmove.sweeper")
+
+
+def event_kind(chore: Obligation) -> str:
+    """The chore's retirement events are ``park-generation.<generation>-<n>``: one destination per event (D5)."""
+    return f"{chore.kind}.{chore.generation or '@root'}"
+
+
+@dataclass(frozen=True)
+class ChoresReport:
+    """What one run of a host's chores did; ``wake_at`` (ms): run again then (a park waiting for its horizon)."""
+
+    did: tuple[str, ...] = ()
+    wake_at: int | None = None
+    retired: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class GenerationParks:
+    """One box's runner of the ``park-generation`` chores it owns, in its region's bucket (``parker``). Nothing kept
+    in memory matters: the chore and its scope are on the claim, the park's events are immutable manifests."""
+
+    box: str
+    region: str
+    ledger: Ledger
+    parker: Parker
+    events: EventLog | None = None
+    retry_ms: int = 1000
+
+    async def run(self, host: str) -> ChoresReport:
+        """Run every chore this box owes for ``host``, each from a fresh claim read."""
+        did: list[str] = []
+        retired: list[str] = []
+        wakes: list[int] = []
+        claim = (await self.ledger.read_claim(host)).state
+        for chore in pending_generation_chores(claim, self.box):
+            line, wake, done = await self._one(host, chore)
+            did.append(line)
+            if wake is not None:
+                wakes.append(wake)
+            if done:
+                retired.append(chore_generation(chore))
+        return ChoresReport(tuple(did), min(wakes) if wakes else None, tuple(retired))
+
+    async def _one(self, host: str, chore: Obligation) -> tuple[str, int | None, bool]:
+        gen = chore_generation(chore)
+        name = gen or "origin"
+        claim = (await self.ledger.read_claim(host)).state  # K5: the claim right before anything is touched
+        if claim is None or chore not in claim.obligations:
+            return f"park-generation {name}: already acknowledged", None, False
+        why = retire_refusal(claim, chore.region, gen)
+        if why is not None:
+            log.info("park-generation of %s %s waits: %s", host, name, why,
+                     extra=ctx(host=host, box=self.box, phase="park-generation", generation=gen, reason=why))
+            return f"park-generation {name} waits: {why}", self.ledger.clock.now_ms() + self.retry_ms, False
+        if chore.scope is None:
+            raise ParkError(f"the park-generation chore of {host} ({name}) has no scope; it never runs unscoped")
+        outcome = await self.parker.park_scope(host=host, op=chore.op, kind=event_kind(chore), scope=chore.scope,
+                                               generation=gen)
+        if not isinstance(outcome, Acknowledged):
+            return f"park-generation {name}: {len(outcome.events)} event(s); {outcome.reason}", outcome.until, False
+        quiet_until = (chore.scope.evidence_at or 0) + self.parker.timing.horizon_ms(chore.scope)
+
+        def ack(cur: Claim | None) -> Claim | NoChange:
+            out = decide_generation_parked(cur, chore, quiet_until)
+            return out if isinstance(out, Claim | NoChange) else NoChange(out.reason)
+
+        done = await self.ledger.transition("claim", host, "park-generation-acknowledged", ack,
+                                            causation=f"{chore.op}:{self.box}")
+        if not isinstance(done, Committed | NoChange):
+            return f"park-generation {name}: the claim changed; acknowledged on the next run", None, False
+        log.info("park-generation of %s retired generation %s in %s after %d event(s)", host, name, chore.region,
+                 len(outcome.events), extra=ctx(host=host, box=self.box, phase="park-generation", generation=gen,
+                                                region=chore.region, events=len(outcome.events)))
+        if self.events is not None and isinstance(done, Committed):
+            fact = Fact(kind="park-acknowledged", subject=host, id=f"{chore.op}:{event_kind(chore)}:{self.box}",
+                        actor=self.ledger.actor, at=self.ledger.clock.now_ms(),
+                        payload={"obligation": chore.kind, "op": chore.op, "generation": gen, "region": chore.region,
+                                 "events": list(outcome.events), "listed_at": outcome.listed_at})
+            try:
+                await publish_fact(self.events, fact)
+            except LogError as exc:  # the claim holds the acknowledgement; the fact is for observers
+                log.warning("fact park-acknowledged for %s not published: %s", host, exc)
+        return f"park-generation {name}: retired after {len(outcome.events)} event(s)", None, True
+
+
+__all__ = ["ChoresReport", "GenerationParks", "event_kind"]

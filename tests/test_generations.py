@@ -1,0 +1,305 @@
+"""Bounded storage on the real stack (issue 16 item 2, 3): every cold admission publishes its generation and the
+generation it left is retired by a ``park-generation`` chore (exact versions, a manifest, verified after the
+horizon); the admissions list stays bounded; a publication queues nothing into another region; a chore never
+retires a live baseline (``baseline-live``) and a start never restores a covered one (``covered-baseline-refused``).
+
+Real cgroup leaves, the real moveprobe app, real SQLite and SeaweedFS, the real ledger on NATS; the agents' loop is
+replaced by calling the activator and the chore runner directly, with the fast park horizon."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from bus.facts import Fact
+from bus.nats_log import NatsEventLog
+from bus.subjects import FACTS_STREAM, alert_subject
+from events import Actor, Claim
+from events.base import decode
+from events.claim import LostBox, Obligation, Op, Scope
+from hostmove.probe_apps import post_write
+from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom, WallClock
+from moveprobe.config import probe_env
+from services.box.instance.activator import Activator, AppSpec, BaselineRefused, BoxContext, Started
+from services.box.instance.coverage import MAX_ADMISSIONS, PARK_GENERATION, chore_name
+from services.box.instance.proctree import CgroupTree
+from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.stamps import StampBook
+from services.box.replica.layout import generation_prefixes
+from services.box.replica.restore import restore_generation
+from services.hosts.create import create_host
+from services.ledger import Committed, Ledger
+from services.move.park import FAST, Parker, destination
+from services.objstore.s3 import S3Store
+from services.sweeper.generations import GenerationParks, event_kind
+from tests.helpers.cgtest import TEST_DEPLOYMENT
+
+INC = "ef" * 32
+
+
+@dataclass
+class World:
+    store: S3Store
+    events: NatsEventLog
+    deploy: str
+    buckets: dict[str, str]
+    ledger: Ledger
+    root: Path
+    trees: list[CgroupTree] = field(default_factory=list)
+    activators: list[Activator] = field(default_factory=list)
+
+    def box(self, label: str, region: str = "ie") -> BoxContext:
+        box_dir = self.root / label
+        box_dir.mkdir(parents=True, exist_ok=True)
+        clock = WallClock()
+        tree = CgroupTree.discover(f"t-{label}-{self.deploy[-10:]}", deployment=TEST_DEPLOYMENT, clock=clock)
+        self.trees.append(tree)
+        return BoxContext(label=label, region=region, box_dir=box_dir, data_bucket=self.buckets[region],
+                          data_store=self.store, ledger=self.ledger, tree=tree, registry=Registry.open(box_dir, clock),
+                          stamps=StampBook.open(box_dir, clock), clock=clock, rng=SystemRandom())
+
+    def activator(self, ctx: BoxContext) -> Activator:
+        def env(host: str, data_dir: Path, port: int, region: str) -> dict[str, str]:
+            return probe_env(data_dir=data_dir, host=host, region=region, ack_log=self.root / f"{host}.acks",
+                             port=port, interval_s=3600)
+
+        act = Activator(ctx, AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=15))
+        self.activators.append(act)
+        return act
+
+    def chores(self, ctx: BoxContext) -> GenerationParks:
+        return GenerationParks(ctx.label, ctx.region, self.ledger,
+                               Parker(self.store, ctx.data_bucket, WallClock(), timing=FAST), self.events)
+
+    async def claim(self, host: str) -> Claim:
+        claim = (await self.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        return claim
+
+
+@asynccontextmanager
+async def open_world(stack: StackInfo, unique: Callable[[str], str], root: Path) -> AsyncIterator[World]:
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    deploy = unique("gens")
+    buckets = {"ie": f"{deploy}-ie", "uk": f"{deploy}-uk"}
+    for bucket in (deploy, *buckets.values()):
+        await store.create_bucket(bucket)
+    ledger = Ledger(store, events, WallClock(), Actor(service="box", pid=1, nonce="g"), deploy)
+    w = World(store, events, deploy, buckets, ledger, root)
+    try:
+        yield w
+    finally:
+        for activator in w.activators:
+            await activator.close()
+        for tree in w.trees:
+            if tree.base is None or not tree.base.exists():
+                continue
+            for leaf in [p for p in tree.base.iterdir() if p.is_dir()]:
+                await tree.reopen_and_drain(leaf.name, within_s=10)
+                for _ in range(100):
+                    tree.reap()
+                    try:
+                        leaf.rmdir()
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.05)
+            tree.remove_box()
+        for bucket in (deploy, *buckets.values()):
+            await store.delete_bucket(bucket)
+        await events.close()
+        await store.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def world(stack: StackInfo, unique: Callable[[str], str], tmp_path: Path) -> AsyncIterator[World]:
+    async with open_world(stack, unique, tmp_path / "boxes") as w:
+        yield w
+
+
+async def setup_host(w: World, unique: Callable[[str], str], ctx: BoxContext) -> str:
+    host = f"{unique('gen')}.example.com"
+    assert isinstance(await create_host(w.ledger, host, box=ctx.label, region=ctx.region, incarnation=INC), Committed)
+    ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=INC))
+    return host
+
+
+async def versions_of(w: World, bucket: str, location: str, generation: str) -> int:
+    return sum([len(await w.store.list_versions(bucket, p)) for p in generation_prefixes(location, generation)])
+
+
+async def retire_all(w: World, ctx: BoxContext, host: str, timeout_s: float = 20.0) -> list[str]:
+    """Run the box's chores until it owes none for ``host``; answers the generations retired."""
+    parks = w.chores(ctx)
+    retired: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        report = await parks.run(host)
+        retired += report.retired
+        claim = await w.claim(host)
+        if not [o for o in claim.obligations if o.kind == PARK_GENERATION and o.owner == ctx.label]:
+            return retired
+        assert loop.time() < deadline, f"the chores of {host} did not finish: {report.did}"
+        await asyncio.sleep(0.2)
+
+
+async def test_every_wake_retires_the_generation_it_left(world: World, unique: Callable[[str], str],
+                                                         tmp_path: Path) -> None:
+    """Wake, write, sleep, a dozen times: each wake's publication queues exactly one chore for the generation it
+    left, which is retired by exact versions with a manifest; the admissions stay at most eight, all covered; the
+    bytes of the host's location do not grow; a cold restore of the current generation holds every write."""
+    ctx = world.box("ie-a")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    written: list[int] = []
+    sizes: list[int] = []
+    for i in range(12):
+        before = await world.claim(host)
+        started = await act.wake(host)
+        assert isinstance(started, Started), started
+        claim = await world.claim(host)
+        assert claim.holder is not None
+        chores = [o for o in claim.obligations if o.kind == PARK_GENERATION]
+        if i == 0:
+            assert chores == [], "the first admission's predecessor (the origin) holds nothing: covered, no chore"
+        else:
+            assert before.holder is not None
+            dead = before.holder.generation
+            assert [(o.generation, o.region, o.owner, o.op) for o in chores] == [
+                (chore_name(dead), "ie", "ie-a", f"session:{claim.holder.session}")], chores
+            assert chores[0].scope is not None and chores[0].scope.evidence_at is not None
+            assert await versions_of(world, ctx.data_bucket, claim.holder.location, dead) > 0
+            assert await retire_all(world, ctx, host) == [dead]
+            assert await versions_of(world, ctx.data_bucket, claim.holder.location, dead) == 0, \
+                "every version of the dead generation is gone (exact versions, markers included)"
+            manifest = await world.store.get(
+                ctx.data_bucket, destination(host, chores[0].op, f"{event_kind(chores[0])}-1") + "manifest.json")
+            assert manifest.__class__.__name__ == "Got", "one immutable manifest per retirement event"
+        after = await world.claim(host)
+        assert after.holder is not None
+        assert len(after.holder.admissions) <= MAX_ADMISSIONS and all(a.covered for a in after.holder.admissions)
+        assert not [o for o in after.obligations if o.kind == PARK_GENERATION]
+        written += [await asyncio.to_thread(post_write, started.port, f"w{i}-{k}") for k in range(3)]
+        cert = await act.stop(host)
+        assert cert is not None, "the idle stop certifies the session"
+        listed = await world.store.list_versions(ctx.data_bucket, after.holder.location.rstrip("/") + "/")
+        sizes.append(sum(v.size for v in listed))
+    assert len((await world.claim(host)).holder.admissions) == MAX_ADMISSIONS  # type: ignore[union-attr]
+    assert max(sizes[3:]) <= 2 * sizes[2], f"the location's bytes grow with the wakes: {sizes}"
+    final = await world.claim(host)
+    assert final.holder is not None
+    scratch = tmp_path / "cold.db"
+    await restore_generation(world.store, ctx.data_bucket, final.holder.location, final.holder.generation, scratch)
+    with sqlite3.connect(scratch) as conn:
+        have = {seq for (seq,) in conn.execute("SELECT seq FROM rows WHERE kind = 'write'")}
+    assert set(written) <= have, f"acknowledged writes missing: {sorted(set(written) - have)}"
+
+
+async def replace_claim(w: World, host: str, name: str, change: Callable[[Claim], Claim]) -> Claim:
+    out = await w.ledger.transition("claim", host, name, lambda cur: change(cur) if cur is not None else cur)
+    assert isinstance(out, Committed), out
+    return out.state
+
+
+async def test_a_foreign_region_predecessor_waits_for_its_own_region(world: World,
+                                                                     unique: Callable[[str], str]) -> None:
+    """A cold admission in uk over a predecessor in ie publishes in uk: no chore is queued into ie and the record stays
+    uncovered (for ie's own whole-location park, which the commit queues with CoverRegionPredecessors); the next wake
+    in uk retires uk's own dead generation and still leaves the ie one alone."""
+    ie, uk = world.box("ie-f", "ie"), world.box("uk-f", "uk")
+    host = await setup_host(world, unique, ie)
+    a, b = world.activator(ie), world.activator(uk)
+    assert isinstance(await a.wake(host), Started)
+    await a.stop(host)
+    ie_gen = (await world.claim(host)).holder.generation  # type: ignore[union-attr]
+    await replace_claim(world, host, "test-replace-box", lambda c: msgspec.structs.replace(  # ie-f fenced
+        c, op=Op(kind="serving", exec="uk-f", participants=("uk-f",)), lost=(*c.lost, LostBox(box="ie-f"))))
+    uk.registry.insert(RouteRow(host=host, status="ready", incarnation=INC))
+    for _ in range(2):
+        assert isinstance(await b.wake(host), Started)
+        await b.stop(host)
+        await retire_all(world, uk, host)
+        claim = await world.claim(host)
+        assert claim.holder is not None
+        foreign = [r for r in claim.holder.admissions if r.predecessor_region == "ie"]
+        assert len(foreign) == 1 and not foreign[0].covered, "the ie predecessor stays uncovered"
+        assert not [o for o in claim.obligations if o.region == "ie"], "nothing is queued into ie from uk"
+        assert all(r.covered for r in claim.holder.admissions if r.predecessor_region == "uk")
+    assert await versions_of(world, world.buckets["ie"], claim.holder.location, ie_gen) > 0
+
+
+async def test_a_chore_never_retires_a_live_baseline(world: World, unique: Callable[[str], str]) -> None:
+    """``baseline-live``: a chore naming the host's current generation, or the baseline of an admission not yet
+    covered, waits and touches nothing."""
+    ctx = world.box("ie-l")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    await retire_all(world, ctx, host)
+    claim = await world.claim(host)
+    holder = claim.holder
+    assert holder is not None
+    scope = Scope(location=holder.location.rstrip("/"), incarnation=INC, evidence_at=0)
+    current = Obligation(kind=PARK_GENERATION, op="session:1", region="ie", owner="ie-l",
+                         generation=chore_name(holder.generation), scope=scope)
+    await replace_claim(world, host, "test-chore",
+                        lambda c: msgspec.structs.replace(c, obligations=(*c.obligations, current)))
+    before = await versions_of(world, ctx.data_bucket, holder.location, holder.generation)
+    report = await world.chores(ctx).run(host)
+    assert report.retired == () and "is the host's current generation" in report.did[0], report
+    assert await versions_of(world, ctx.data_bucket, holder.location, holder.generation) == before
+
+    # the baseline of a record not yet covered: the last record uncovered again, a chore for its predecessor
+    last = holder.admissions[-1]
+    assert last.predecessor is not None
+    baseline = last.predecessor.generation
+
+    def uncover(c: Claim) -> Claim:
+        assert c.holder is not None
+        recs = (*c.holder.admissions[:-1], msgspec.structs.replace(c.holder.admissions[-1], covered=False))
+        chore = msgspec.structs.replace(current, generation=chore_name(baseline))
+        return msgspec.structs.replace(c, holder=msgspec.structs.replace(c.holder, admissions=recs),
+                                       obligations=(chore,))
+
+    await replace_claim(world, host, "test-uncover", uncover)
+    report = await world.chores(ctx).run(host)
+    assert report.retired == () and "baseline of an admission not yet covered" in report.did[0], report
+
+
+async def test_a_covered_local_baseline_is_refused_with_an_alert(world: World, unique: Callable[[str], str]) -> None:
+    """``covered-baseline-refused``: the run walk meets a generation already queued for retirement: nothing is
+    admitted, nothing starts, and the operator is alerted."""
+    ctx = world.box("ie-c")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    claim = await world.claim(host)
+    holder = claim.holder
+    assert holder is not None
+    chore = Obligation(kind=PARK_GENERATION, op="session:1", region="ie", owner="ie-c",
+                       generation=chore_name(holder.generation),
+                       scope=Scope(location=holder.location.rstrip("/"), incarnation=INC, evidence_at=0))
+    covered = await replace_claim(world, host, "test-chore",
+                                  lambda c: msgspec.structs.replace(c, obligations=(chore,)))
+    with pytest.raises(BaselineRefused, match="already covered"):
+        await act.wake(host)
+    assert (await world.claim(host)) == covered, "nothing was admitted"
+    assert not ctx.tree.populated(host), "nothing started"
+    alerts = [decode(m.data, Fact) async for m in world.events.replay(FACTS_STREAM,
+                                                                      subject=alert_subject("baseline-refused"))]
+    assert [a for a in alerts if a.subject == host], "the refusal is alerted"
