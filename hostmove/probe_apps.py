@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import socket
 import sys
@@ -19,8 +20,10 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel.ports import blocking
 from moveprobe.config import probe_env
 from services.box.instance.proctree import CgroupTree, find_cgroup2_root
+from services.box.instance.sandbox import hand_over_dirs
 from services.target.probe import ProbeApp, ProcessApp
 
 
@@ -95,8 +98,13 @@ class ProbeApps:
         env = probe_env(data_dir=db_path.parent, host=host, region=self.region,
                         ack_log=self.acks / f"{host}.{self.region}.jsonl", port=port, interval_s=3600,
                         worker_file=self.acks / f"{host}.{self.region}.worker.jsonl")
+        # The sample app's own settings from this box's environment (its fail switch among them), nothing else of
+        # it: an instance's environment is its release's (issue 14 item 4).
+        env = {**{k: v for k, v in os.environ.items() if k.startswith("MOVEPROBE_")}, **env}
+        await blocking(hand_over_dirs, getattr(tree, "instance_user", None), [self.acks])
         app = _TidiedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, host=host, tree=tree,
-                         ready_path="/ready", env=env, request_timeout_s=0.5, owner=self if self._owned else None)
+                         ready_path="/ready", env=env, request_timeout_s=0.5, owner=self if self._owned else None,
+                         data_dir=db_path.parent)
         self.apps.append(app)
         self.ports[host] = app.port
         return app

@@ -142,6 +142,14 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         log.error("hostmove serve box: box %s cannot spawn strictly (%s); it refuses to take part in moves", label,
                   why, extra=ctx(box=label, reason=why))
         return 2
+    from services.box.instance.sandbox import SandboxError, ensure_instance_user, hand_over_dirs
+
+    try:  # every instance runs as the unprivileged instance user, never as the agent (issue 14 item 4)
+        tree.instance_user = ensure_instance_user()
+        hand_over_dirs(tree.instance_user, [cfg.acks_dir])
+    except SandboxError as exc:
+        log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
+        return 2
     if rt.settings.local:
         await rt.store.create_bucket(cfg.data_bucket, versioned=True)
     faults = Failpoints.from_env()

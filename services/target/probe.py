@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 
 from kernel.ports import Clock, blocking, http_status
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
+from services.box.instance.sandbox import hand_over, instance_env
 from services.target.budget import MAX_ATTEMPTS
 
 FailReason = Literal[
@@ -245,20 +246,27 @@ class ProcessApp:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     logs: Path | None = None
+    data_dir: Path | None = None
+    """The box's data directory holding the probe's database: handed to the tree's instance user before the
+    spawn (:func:`services.box.instance.sandbox.hand_over`, issue 14 item 4)."""
     request_timeout_s: float = 2.0
     drain_within_s: float = 10.0
     spawned: Spawned | None = None
 
     async def start(self) -> bool:
-        env = {**os.environ, **self.env, "CARLOS_MOVE_PROBE": "1"}
+        home = self.data_dir / self.host if self.data_dir is not None else Path("/nonexistent")
+        env = instance_env({**self.env, "CARLOS_MOVE_PROBE": "1"}, home=home)  # never the agent's environment
         out: Path | str = os.devnull
         err: Path | str = os.devnull
         if self.logs is not None:
             self.logs.mkdir(parents=True, exist_ok=True)
             out, err = self.logs / f"{self.host}.probe.out", self.logs / f"{self.host}.probe.err"
         try:
+            if self.data_dir is not None:  # its files become the instance user's (SandboxError is an OSError)
+                await blocking(hand_over, getattr(self.tree, "instance_user", None), self.data_dir, self.host)
             self.spawned = await blocking(
-                self.tree.spawn_strict, self.host, list(self.argv), env=env, cwd=self.cwd or os.getcwd(),
+                self.tree.spawn_strict, self.host, list(self.argv), env=env,
+                cwd=self.cwd or self.data_dir or os.getcwd(),
                 stdout=out, stderr=err,
             )
         except OSError:  # the program is missing or could not be executed: nothing runs, the policy retries

@@ -84,6 +84,7 @@ from services.box.instance.guard import Guarded, host_guard
 from services.box.instance.instances import Instance, Instances, unshipped_path
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.instance.registry import Registry, is_held
+from services.box.instance.sandbox import hand_over, instance_env
 from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation
 from services.box.replica.planner import replication_position
@@ -518,8 +519,9 @@ class Activator:
         await self._start_check(claim)
         port = free_port()
         logs = ctx.box_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.app.env(host, ctx.data_dir, port, ctx.region)}
+        logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # the platform's: no instance lists or reads them
+        env = instance_env(self.app.env(host, ctx.data_dir, port, ctx.region), home=ctx.files_dir(host))  # release's
+        await blocking(hand_over, getattr(ctx.tree, "instance_user", None), ctx.data_dir, host)
         spawned = await blocking(
             ctx.tree.spawn_strict, host, list(self.app.argv), env=env, cwd=str(ctx.box_dir),
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
