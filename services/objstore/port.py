@@ -35,6 +35,9 @@ class Missing:
 class Won:
     etag: str | None
     version_id: str | None
+    attempts: int = 1
+    """How many requests the client sent for this answer (an SDK's own retries included): above one, an earlier
+    attempt's outcome is unknown and it may still land (§5.1 step 9 "a retry ... the session is uncertain")."""
 
 
 @dataclass(frozen=True)

@@ -362,7 +362,8 @@ class S3Store:
             if res.status == 409 and res.code != "ConditionalRequestConflict":
                 raise InvalidRequest(f"{what}: {res.code} (HTTP 409)")
             return Lost(await self._current_etag(bucket, key))
-        return Won(quote_etag(res["ETag"]) if res.get("ETag") else None, res.get("VersionId"))
+        retries = int((res.get("ResponseMetadata") or {}).get("RetryAttempts") or 0)  # botocore's own retries
+        return Won(quote_etag(res["ETag"]) if res.get("ETag") else None, res.get("VersionId"), attempts=1 + retries)
 
     async def delete(
         self, bucket: str, key: str, *, if_match: str | None = None, version_id: str | None = None

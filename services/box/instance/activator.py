@@ -24,6 +24,20 @@ committed is uploaded, writes the session's **clean-close certificate** ``<locat
 ``writes_lost``. Ruling P7 keeps certificates off in the Go system because Litestream's clean close
 was unsafe (#234); this replicator's final sync is acknowledged PUTs of captured WAL frames after the
 tree is empty, and the certificate is guarded by the rule ``clean-close-certificate``.
+
+**The certificate is a stated deviation from ruling P7**, and this is its argument. P7 declares every predecessor
+because a clean close could not be proven; here it is proven by three facts the box observes itself: (1) the tree is
+empty (cgroup drained), so nothing commits after the final capture; (2) every committed frame was captured and its
+PUT acknowledged (``final_sync``: ship, checkpoint ``TRUNCATE``, ship again, nothing pending); (3) **no upload of the
+session is unsettled** (rule ``close-evidence``, :mod:`services.box.replica.uploads`): an attempt whose answer was
+not seen (a timeout, a lost response, the SDK's own retry, a process that died mid-request) may still land over a
+newer object under the same key, so it keeps the session uncertain, durably and for good, until a version listing
+shows every attempt landed and the key's latest version is the session's own. What a clean stop misses, the flush of
+a dead agent's intact disk (:meth:`Activator.flush_orphan`) covers under the same three facts: it certifies the dead
+session when it shipped every committed frame and the dead process left nothing unsettled. A session that fails any
+of them has no certificate and the next admission declares it, naming the remote position and the local one it last
+observed. The deployment setting ``HOSTMOVE_CLEAN_CLOSE_CERTIFICATES=off`` turns the certificate off: none is written
+or read, and every predecessor is declared, as P7 reads it.
 """
 
 from __future__ import annotations
@@ -90,6 +104,7 @@ from services.box.replica.layout import GenerationScope, generation_holds_object
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
+from services.box.replica.uploads import uploads_path
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.objstore.port import Got, Lost, ObjectStore, StoreError
 
@@ -114,6 +129,13 @@ rules.register(
     section="§5.3 step 5 (a final checkpoint of the local database into the box's own instances/)",
     meaning="a stop with no replicating process left flushes the local database's committed state first",
     site="services/box/instance/activator.py Activator.flush_orphan",
+)
+rules.register(
+    "close-evidence",
+    section="§5.1 step 9 (Certificate), §7.14 (first upload: 'the session is uncertain for good'); R8-5, R9-5, R10-7",
+    meaning="a session is certified only when every upload it sent is settled: a timed-out or retried request "
+            "keeps it uncertain until a version listing shows it settled",
+    site="services/box/instance/activator.py Activator.stop, Activator.flush_orphan",
 )
 rules.register(
     "covered-baseline-refused",
@@ -174,6 +196,21 @@ class StartPolicy:
     first_backoff_s: float = 1.0
     sync_interval_s: float = 1.0
     drain_within_s: float = 10.0
+    certificates: bool = field(default_factory=lambda: certificates_enabled(os.environ))
+    """Clean-close certificates (the stated deviation from ruling P7, module doc). Off
+    (``HOSTMOVE_CLEAN_CLOSE_CERTIFICATES=off``): none is written or read, so every predecessor is declared, as P7
+    reads it."""
+
+
+CERTIFICATES_SETTING = "HOSTMOVE_CLEAN_CLOSE_CERTIFICATES"
+
+
+def certificates_enabled(env: Mapping[str, str]) -> bool:
+    """``HOSTMOVE_CLEAN_CLOSE_CERTIFICATES``: ``on`` (the default) or ``off``; anything else is refused."""
+    text = (env.get(CERTIFICATES_SETTING) or "on").strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(f"{CERTIFICATES_SETTING} must be on or off, not {text!r}")
+    return text == "on"
 
 
 @dataclass(frozen=True)
@@ -236,7 +273,7 @@ class BoxContext:
 def purge_local_db(db_path: Path) -> None:
     """Remove the local database, its WAL, SHM, ``.gen`` and ``.unshipped`` (step 3: error-returning)."""
     for path in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), db_path.with_suffix(".gen"),
-                 unshipped_path(db_path)):
+                 unshipped_path(db_path), uploads_path(db_path)):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -416,7 +453,7 @@ class Activator:
         """Does a clean-close certificate cover the predecessor session (the last admission)?"""
         assert claim.holder is not None
         last = claim.holder.admissions[-1] if claim.holder.admissions else None
-        if last is None or baseline is None or last.generation != baseline:
+        if last is None or baseline is None or last.generation != baseline or not self.policy.certificates:
             return False
         got = await self.ctx.data_store.get(
             self.ctx.data_bucket, certificate_key(claim.holder.location, last.generation, last.session))
@@ -449,7 +486,7 @@ class Activator:
             assert claim is not None and claim.holder is not None
             # A stop whose final sync failed (an idle stop, a shutdown) left commits only on this disk: flush them
             # into the holder's generation before the admission's purge (§5.3 step 5), or they would be declared lost.
-            await self.flush_orphan(host)
+            flushed = await self.flush_orphan(host)
             baseline, remote_max = await self._baseline(claim)
             certified = await self._certified(claim, baseline, remote_max)
             generation = "w" + self.ctx.rng.token_bytes(8).hex()
@@ -459,6 +496,7 @@ class Activator:
                 observed_session=claim.holder.session, observed_generation=claim.holder.generation,
                 new_generation=generation, remote_max_txid=remote_max, predecessor_certified=certified,
                 coverage=coverage, predecessor_holds_nothing=await self._predecessor_empty(claim),
+                local_txid=flushed or 0,
             )
             admitted = await self.ctx.ledger.transition(
                 "claim", host, "admit-writer", lambda cur: decide_admit_writer(cur, request),
@@ -688,12 +726,21 @@ class Activator:
             await self.flush_orphan(host)
             return None
         clean = await self.running.stop(host)
-        if not clean or running.origin == "probe":
+        if not clean or running.origin == "probe" or not self.policy.certificates:
             return None
         rep = running.replicator
-        cert = Certificate(session=running.session, box=self.ctx.label, generation=running.generation,
-                           max_txid=rep.position, closed_at=self.ctx.clock.now_ms())
-        key = certificate_key(running.location, running.generation, running.session)
+        uncertain = await rep.observe_uploads()
+        if uncertain and rules.on("close-evidence"):
+            log.warning("session %d of %s closed with %d upload(s) whose outcome no listing settled (first %s): no "
+                        "certificate; the next admission declares it", running.session, host, len(uncertain),
+                        uncertain[0])
+            return None
+        return await self._certify(running.location, running.generation, running.session, rep.position)
+
+    async def _certify(self, location: str, generation: str, session: int, max_txid: int) -> Certificate:
+        cert = Certificate(session=session, box=self.ctx.label, generation=generation, max_txid=max_txid,
+                           closed_at=self.ctx.clock.now_ms())
+        key = certificate_key(location, generation, session)
         await self.ctx.data_store.put(self.ctx.data_bucket, key, canonical(cert), if_none_match=True)
         return cert
 
@@ -715,19 +762,36 @@ class Activator:
             return None
         wal = Path(f"{db}-wal")
         unshipped = unshipped_path(db)
+        session = holder.admissions[-1].session if holder.admissions else 0
+        last_here = bool(holder.admissions) and holder.admissions[-1].box == self.ctx.label and \
+            normalize(holder.admissions[-1].generation) == normalize(holder.generation)
         if not unshipped.exists() and (not wal.exists() or wal.stat().st_size <= WAL_HEADER_BYTES):
-            return None  # every frame is in the database file already: a stop's final checkpoint emptied the WAL
+            # every frame is in the database file already (a stop's final checkpoint emptied the WAL): flushed
+            # already, unless the session has no certificate yet and may still be certified by a flush of it
+            if not (last_here and self.policy.certificates) or isinstance(await self.ctx.data_store.head(
+                    self.ctx.data_bucket, certificate_key(holder.location, holder.generation, session)), Got):
+                return None
         rep = await Replicator.open(self.ctx.data_store, self.ctx.data_bucket, holder.location, holder.generation,
                                     db, self.ctx.clock, options=ReplicaOptions(flush_first=True))
         try:
             while await rep.sync() is not None:
                 pass
             await rep.checkpoint("TRUNCATE")  # flushed: a replay of this stop finds an empty WAL and adds nothing
+            flushed = not rep.pending
         finally:
             await rep.close()
         unshipped.unlink(missing_ok=True)
         log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
                  rep.position)
+        # The dead process's session is certified by this flush when it shipped every committed frame and nothing
+        # that session sent is unsettled (item 5; close-evidence: a request in flight when it died may still land)
+        if flushed and last_here and self.policy.certificates:
+            uncertain = await rep.observe_uploads()
+            if uncertain and rules.on("close-evidence"):
+                log.warning("session %d of %s is not certified by its flush: %d upload(s) of the dead process are "
+                            "unsettled (first %s)", session, host, len(uncertain), uncertain[0])
+            else:
+                await self._certify(holder.location, holder.generation, session, rep.position)
         return rep.position
 
     async def adopt_running(self) -> list[str]:

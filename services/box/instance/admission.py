@@ -60,6 +60,9 @@ class AdmitRequest:
     predecessor_certified: bool = False  # a clean-close certificate covers the predecessor session
     additional_writes_lost: tuple[WriterRef, ...] = field(default_factory=tuple)
     predecessor_holds_nothing: bool = False
+    local_txid: int = 0
+    """The predecessor session's local position last observed (what this box's own copy of it reached, when it could
+    read that copy): a declaration names it beside ``remote_max_txid``."""
     """The predecessor generation holds no object anywhere (the caller listed its region, where its writer wrote):
     ``predecessor_region`` is ``""`` and the publication covers the record with no chore (§7.14 item 1)."""
 
@@ -109,7 +112,8 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
     uncertified = req.coverage == "" and not req.predecessor_certified and bool(predecessor.box)
     if uncertified and rules.on("writes-lost"):  # the mutation: nothing is ever declared
         writes_lost = WriterRef(box=predecessor.box, session=predecessor.session,
-                                generation=predecessor.generation, remote_max_txid=req.remote_max_txid)
+                                generation=predecessor.generation, remote_max_txid=req.remote_max_txid,
+                                local_txid=req.local_txid)
     record = Admission(
         session=new_gen,
         box=req.box,

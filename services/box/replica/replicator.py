@@ -75,6 +75,7 @@ from kernel.ports import Clock, blocking
 from services.box.replica import ltx, wal
 from services.box.replica.layout import FileRef, GenerationScope, list_generation
 from services.box.replica.planner import Plan, extend_chain, newest_level0, plan_restore, replication_position
+from services.box.replica.uploads import Uploads, body_etag
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.replica")
@@ -229,6 +230,8 @@ class Replicator:
         self._cache_size = 0
         self._uploaded_at: dict[str, int] = {}
         self._closed = False
+        self.uploads = Uploads.open(self.db_path, scope.generation)
+        """The session's uncertain uploads (:mod:`.uploads`): durable, sticky until a listing observes them settled."""
 
     # ------------------------------------------------------------------------------------ open
 
@@ -485,11 +488,27 @@ class Replicator:
 
     async def _put(self, key: str, body: bytes) -> str | None:
         self.scope.check_owned(key)
+        etag = body_etag(body)
+        await blocking(self.uploads.begin, key, etag)  # durable before the request: it may land whatever happens next
         outcome = await self.store.put(self.bucket, key, body)
         if isinstance(outcome, Lost):  # an unconditional PUT cannot lose; a twin that says so is a defect
             raise ReplicaError(f"unconditional PUT of {key!r} reported a lost precondition")
+        if await blocking(self.uploads.answered, key, etag, outcome.version_id, outcome.attempts):
+            log.warning("an upload of %s was retried; its session stays uncertain until a listing settles it", key,
+                        extra={**self.log_fields, "key": key, "attempts": outcome.attempts})
         self._remember(key, body)
         return outcome.version_id
+
+    @property
+    def uncertain(self) -> list[str]:
+        """Keys with an attempt whose outcome no listing has settled yet (the session is not certified)."""
+        return self.uploads.uncertain
+
+    async def observe_uploads(self) -> list[str]:
+        """Settle what a version listing shows settled (:meth:`.uploads.Uploads.observe`); the keys left uncertain."""
+        if not self.uploads.keys:
+            return []
+        return await self.uploads.observe(self.store, self.bucket)
 
     async def _delete(self, key: str) -> None:
         self.scope.check_owned(key)
