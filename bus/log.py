@@ -35,6 +35,12 @@ class LogError(Exception):
     """A defect talking to the log (connection, timeout): the outcome is unknown."""
 
 
+class LogUnavailable(LogError):
+    """The log cannot be reached (not connected, reconnecting, no JetStream answer in time): a dependency
+    outage, not a defect of one request. Callers refuse new work naming NATS and try again later; a
+    publish's outcome is still unknown (the ledger's conditional retry or the relay settles it)."""
+
+
 class WrongLastSequence(LogError):
     """The subject's last sequence is not the one expected (JetStream 10071)."""
 
@@ -44,6 +50,15 @@ class StreamState:
     first_seq: int
     last_seq: int
     messages: int
+
+
+def require_available(log: object) -> None:
+    """Raise :class:`LogUnavailable` when ``log`` reports itself down (an adapter with ``down_reason()``, such as
+    :class:`bus.nats_log.NatsEventLog`); a log without it (the twin) is always available."""
+    down_reason = getattr(log, "down_reason", None)
+    reason = down_reason() if callable(down_reason) else None
+    if reason:
+        raise LogUnavailable(reason)
 
 
 class EventLog(Protocol):

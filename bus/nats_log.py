@@ -3,24 +3,67 @@
 - ``Nats-Msg-Id`` dedup is stream-wide with a 120 s window by default;
 - ``Nats-Expected-Last-Subject-Sequence`` is checked before dedup, so a retried conditional publish
   gets 10071, which the ledger resolves by reading the subject's last message.
+
+**Outages** (issue 11 item 3). The connection reconnects forever (``max_reconnect_attempts=-1``), each attempt
+after a capped exponential backoff (:func:`reconnect_delay`, 0.1 s doubling to ``reconnect_wait_max_s``, 2 s by
+default, with jitter); nats-py replays every core subscription on the new connection by itself. With
+``wait=True`` the first connect also retries forever on the same backoff (a service started before NATS waits,
+not ready, instead of dying). While the connection is down every call raises :class:`~bus.log.LogUnavailable`
+at once (nothing is buffered to be sent later), and :meth:`NatsEventLog.down_reason` says why; after a reconnect
+the streams are declared again (a server that came back without its storage gets them back; the ledger's rebase
+restates what its stream lost).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
 
-import nats
 from nats.aio.client import Client
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 
-from bus.log import LogError, PubAck, StoredMessage, StreamState, WrongLastSequence
+from bus.log import LogError, LogUnavailable, PubAck, StoredMessage, StreamState, WrongLastSequence
 from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS
 
+log = logging.getLogger("hostmove.bus")
+
 WRONG_LAST_SEQUENCE = 10071
+RECONNECT_WAIT_MIN_S = 0.1
+RECONNECT_WAIT_MAX_S = 2.0
+"""The cap of the reconnect backoff (and of the first connect's, with ``wait=True``)."""
+PING_INTERVAL_S = 10
+"""A server gone without a reset (a partition) is noticed after about three unanswered pings."""
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError, TimeoutError, NatsTimeout, ConnectionClosedError, ConnectionReconnectingError, NoRespondersError,
+    OutboundBufferLimitError, StaleConnectionError, ServiceUnavailableError,
+)
+"""What a call meets when NATS (or its JetStream) does not answer: the dependency is down, not the request."""
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_UNAVAILABLE, NatsError, APIError)
+
+
+def reconnect_delay(attempt: int, *, low: float = RECONNECT_WAIT_MIN_S, cap: float = RECONNECT_WAIT_MAX_S,
+                    rng: Callable[[], float] = random.random) -> float:
+    """Seconds before connect attempt ``attempt`` (0 for the first after a loss): ``low`` doubling per attempt up to
+    ``cap``, with +-20 % jitter so a fleet of services does not knock in step. Pure but for ``rng``."""
+    base = min(cap, low * (2 ** min(max(attempt, 0), 30)))
+    return min(cap, base * (0.8 + 0.4 * rng()))
 
 
 async def ensure_streams(js: JetStreamContext) -> None:
@@ -40,27 +83,182 @@ def _headers(raw: Mapping[str, str] | None) -> dict[str, str]:
     return dict(raw or {})
 
 
+def _addresses(url: str) -> list[tuple[str, int]]:
+    """The ``(host, port)`` of each server of a NATS URL list (``nats://a:4222,nats://b:4222``)."""
+    out = []
+    for part in url.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        parsed = urlsplit(part if "://" in part else f"nats://{part}")
+        out.append((parsed.hostname or "127.0.0.1", parsed.port or 4222))
+    return out
+
+
+async def _accepts(addresses: list[tuple[str, int]], timeout: float) -> bool:
+    """True if one server accepts a TCP connection within ``timeout`` (the first connect's cheap look)."""
+    for host, port in addresses:
+        try:
+            _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return True
+    return False
+
+
 class NatsEventLog:
     """The event log over a live JetStream connection. ``connect()`` also declares the streams."""
 
-    def __init__(self, nc: Client, js: JetStreamContext, timeout: float = 5.0) -> None:
+    def __init__(self, nc: Client, js: JetStreamContext, timeout: float = 5.0, *, url: str = "",
+                 reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S) -> None:
         self.nc = nc
         self.js = js
         self.timeout = timeout
+        self.url = url
+        self.reconnect_wait_max_s = reconnect_wait_max_s
+        self.disconnected_at: float | None = None  # monotonic, while the connection is down
+        self.reconnects = 0
+        self._on_reconnect: list[Callable[[], None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "hostmove", timeout: float = 5.0) -> NatsEventLog:
+    async def connect(cls, url: str, *, name: str = "hostmove", timeout: float = 5.0, wait: bool = False,
+                      reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S,
+                      on_retry: Callable[[int, str], None] | None = None) -> NatsEventLog:
+        """Connect and declare the streams. Without ``wait`` an unreachable server raises
+        :class:`~bus.log.LogUnavailable` at once (a command line tool); with it the connect retries forever on the
+        capped backoff, calling ``on_retry(attempt, reason)`` before each wait (a service: cancel it to give up)."""
+        addresses = _addresses(url)
+        attempt = 0
+        while True:
+            reason = await cls._try_once(addresses, url, name, timeout, reconnect_wait_max_s)
+            if isinstance(reason, NatsEventLog):
+                return reason
+            if not wait:
+                raise LogUnavailable(reason)
+            if on_retry is not None:
+                on_retry(attempt, reason)
+            await asyncio.sleep(reconnect_delay(attempt, cap=reconnect_wait_max_s))
+            attempt += 1
+
+    @classmethod
+    async def _try_once(cls, addresses: list[tuple[str, int]], url: str, name: str, timeout: float,
+                        cap: float) -> NatsEventLog | str:
+        """One first-connect attempt: the connected log, or why it failed. A server that accepts TCP is handed to
+        nats-py (whose own first-connect loop would otherwise retry forever on a fixed wait, out of our hands)."""
+        if not await _accepts(addresses, timeout):
+            return f"cannot reach NATS at {url}: nothing accepts connections"
+        nc = Client()
+        events = cls(nc, nc.jetstream(timeout=timeout), timeout, url=url, reconnect_wait_max_s=cap)
         try:
-            nc = await nats.connect(url, name=name, connect_timeout=timeout, max_reconnect_attempts=3)
-        except (OSError, NatsTimeout, NoRespondersError) as exc:
-            raise LogError(f"cannot reach NATS at {url}: {type(exc).__name__}") from None
-        js = nc.jetstream(timeout=timeout)
-        await ensure_streams(js)
-        return cls(nc, js, timeout)
+            await asyncio.wait_for(nc.connect(
+                url, name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True,
+                max_reconnect_attempts=-1, reconnect_time_wait=max(1, int(cap)),
+                ping_interval=PING_INTERVAL_S, max_outstanding_pings=3,
+                reconnect_to_server_handler=events._next_server, disconnected_cb=events._disconnected,
+                reconnected_cb=events._reconnected, error_cb=events._error, closed_cb=events._closed,
+            ), timeout * 2)
+            await ensure_streams(events.js)
+        except _CONNECT_ERRORS as exc:
+            await events._abandon()
+            return f"cannot reach NATS at {url}: {type(exc).__name__}"
+        except BaseException:
+            await events._abandon()
+            raise
+        return events
+
+    async def _abandon(self) -> None:
+        try:
+            await self.nc.close()
+        except Exception:  # noqa: BLE001 - a client that never connected has nothing to flush
+            pass
+
+    # -- the connection's state ---------------------------------------------------------------------------------
+
+    def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+        """nats-py's reconnect hook: the first eligible server, after the capped backoff of its failed attempts."""
+        attempt = max((getattr(s, "reconnects", 0) for s in servers), default=0)
+        return None, reconnect_delay(attempt, cap=self.reconnect_wait_max_s)
+
+    async def _disconnected(self) -> None:
+        if self.disconnected_at is None and not self.nc.is_closed:
+            self.disconnected_at = time.monotonic()
+            log.warning("NATS connection to %s lost; reconnecting (capped backoff, forever)", self.url)
+
+    async def _reconnected(self) -> None:
+        down = time.monotonic() - self.disconnected_at if self.disconnected_at is not None else 0.0
+        self.disconnected_at = None
+        self.reconnects += 1
+        log.warning("NATS connection to %s back after %.1f s (reconnect %d)", self.url, down, self.reconnects)
+        task = asyncio.ensure_future(self._redeclare())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        for listener in list(self._on_reconnect):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener's defect never breaks the connection
+                log.exception("a reconnect listener failed")
+
+    async def _redeclare(self) -> None:
+        for attempt in range(10):
+            try:
+                await ensure_streams(self.js)
+                return
+            except _CONNECT_ERRORS as exc:
+                log.info("streams not declared after the reconnect (%s); again", type(exc).__name__)
+                await asyncio.sleep(reconnect_delay(attempt))
+
+    async def _error(self, exc: Exception) -> None:
+        log.debug("NATS client error on %s: %s: %s", self.url, type(exc).__name__, exc)
+
+    async def _closed(self) -> None:
+        log.info("NATS connection to %s closed", self.url)
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every reconnect (e.g. to wake a loop backing off)."""
+        self._on_reconnect.append(listener)
+
+    def down_reason(self) -> str | None:
+        """Why the log cannot be used now (None: connected). Cheap, no request."""
+        if self.nc.is_closed:
+            return f"the NATS connection to {self.url or 'the server'} is closed"
+        if not self.nc.is_connected:
+            since = ""
+            if self.disconnected_at is not None:
+                since = f" for {time.monotonic() - self.disconnected_at:.0f} s"
+            return f"NATS at {self.url or 'the server'} is not connected (reconnecting{since})"
+        return None
+
+    @property
+    def connected(self) -> bool:
+        return self.down_reason() is None
+
+    def _require(self) -> None:
+        reason = self.down_reason()
+        if reason is not None:
+            raise LogUnavailable(reason)
+
+    def _unavailable(self, what: str, exc: BaseException) -> LogUnavailable:
+        return LogUnavailable(f"{what}: NATS did not answer ({type(exc).__name__})"
+                              + (f"; {self.down_reason()}" if self.down_reason() else ""))
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
+            try:
+                await self.nc.drain()
+                return
+            except Exception:  # noqa: BLE001 - lost while draining: close without it
+                pass
+        await self.nc.close()
 
     async def publish(
         self,
@@ -77,14 +275,15 @@ class NatsEventLog:
             hdrs["Nats-Msg-Id"] = msg_id
         if expected_last_subject_seq is not None:
             hdrs["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+        self._require()
         try:
             ack = await self.js.publish(subject, data, stream=stream, headers=hdrs or None)
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("publish outcome unknown", exc) from None
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
                 raise WrongLastSequence(str(exc.description)) from None
             raise LogError(f"publish refused: {exc.description} ({exc.err_code})") from None
-        except (TimeoutError, NatsTimeout, ConnectionClosedError, NoRespondersError, OSError) as exc:
-            raise LogError(f"publish outcome unknown: {type(exc).__name__}") from None
         return PubAck(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     @staticmethod
@@ -98,35 +297,40 @@ class NatsEventLog:
         )
 
     async def last(self, stream: str, subject: str) -> StoredMessage | None:
+        self._require()
         try:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("read of the last message failed", exc) from None
         except APIError as exc:
             if exc.err_code == 10037:  # no message found
                 return None
             raise LogError(f"read of the last message failed: {exc.description}") from None
-        except (TimeoutError, NatsTimeout, ConnectionClosedError, NoRespondersError) as exc:
-            raise LogError(f"read of the last message failed: {type(exc).__name__}") from None
         return self._stored(raw)
 
     async def get(self, stream: str, seq: int) -> StoredMessage | None:
+        self._require()
         try:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:
             return None
+        except _UNAVAILABLE as exc:
+            raise self._unavailable(f"read of message {seq} failed", exc) from None
         except APIError as exc:
             if exc.err_code == 10037:
                 return None
             raise LogError(f"read of message {seq} failed: {exc.description}") from None
-        except (TimeoutError, NatsTimeout, ConnectionClosedError) as exc:
-            raise LogError(f"read of message {seq} failed: {type(exc).__name__}") from None
         return self._stored(raw)
 
     async def state(self, stream: str) -> StreamState:
+        self._require()
         try:
             info = await self.js.stream_info(stream)
-        except (TimeoutError, APIError, NatsTimeout) as exc:
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("stream info failed", exc) from None
+        except APIError as exc:
             raise LogError(f"stream info failed: {type(exc).__name__}") from None
         st = info.state
         return StreamState(first_seq=st.first_seq, last_seq=st.last_seq, messages=st.messages)
@@ -145,13 +349,19 @@ class NatsEventLog:
             filter_subject=subject,
             inactive_threshold=30.0,
         )
-        sub = await self.js.pull_subscribe(subject or ">", durable=None, stream=stream, config=config)
+        try:
+            sub = await self.js.pull_subscribe(subject or ">", durable=None, stream=stream, config=config)
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("replay failed", exc) from None
         try:
             while True:
                 try:
                     msgs = await sub.fetch(batch, timeout=1.0)
                 except (NatsTimeout, TimeoutError):
+                    self._require()  # a timeout because the connection went: not the end of the stream
                     return
+                except _UNAVAILABLE as exc:
+                    raise self._unavailable("replay failed", exc) from None
                 done = False
                 for m in msgs:
                     md = m.metadata
