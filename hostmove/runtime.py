@@ -4,23 +4,35 @@ Endpoints come from the environment (``HOSTMOVE_NATS_URL``, ``HOSTMOVE_S3_ENDPOI
 ``HOSTMOVE_S3_ACCESS_KEY``, ``HOSTMOVE_S3_SECRET_KEY``, ``HOSTMOVE_S3_REGION``,
 ``HOSTMOVE_BUCKET``) or, for the embedded default, from ``.hostmove/stack.json``. Every service
 runs the object-store conformance probe at start and refuses to run on a store that fails it.
+
+A long-running service opens with ``wait=True``: a store or a stream that does not answer yet is waited for on a
+capped backoff (the service's :class:`~hostmove.health.Health` says why it is not ready), never a reason to exit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from bus.log import LogUnavailable
 from bus.nats_log import NatsEventLog
+from bus.subjects import LEDGER_STREAM
 from events.envelope import Actor
+from hostmove.health import Health
 from hostmove.stackinfo import StackInfo
 from kernel.ports import Clock, Random, SystemRandom, WallClock, pid, process_nonce
 from services.ledger.ledger import Ledger
-from services.objstore.probe import run_probe_or_exit
+from services.objstore.port import Got, StoreUnavailable
+from services.objstore.probe import PROBE_EXIT_CODE, conformance_probe
 from services.objstore.s3 import S3Store
+
+log = logging.getLogger("hostmove.runtime")
 
 DEFAULT_BUCKET = "hostmove-deployment"
 DEFAULT_ROOT = Path(".hostmove")
@@ -108,8 +120,82 @@ class Runtime:
         await self.store.close()
 
 
-async def open_runtime(settings: Settings, service: str, *, box: str = "", probe: bool = True) -> Runtime:
-    """Connect to the store and the stream, run the conformance probe, build the ledger."""
+HEALTH_KEY = "_health/ping"
+"""What the S3 readiness check reads: a small object written once, so the check reads data (SeaweedFS answers a HEAD
+of a missing key, and lists buckets, before its volume server serves reads again after a restart)."""
+HEALTH_BODY = b"hostmove readiness check: a read of this object must return it\n" * 16
+
+START_WAIT_MAX_S = 5.0
+"""The cap of the backoff while a service waits for S3 at start (NATS: :data:`bus.nats_log.RECONNECT_WAIT_MAX_S`)."""
+
+
+async def s3_check(store: S3Store, bucket: str) -> dict[str, object]:
+    """S3 serves a read (GET of :data:`HEALTH_KEY`, written when missing); raises the store's error when it does
+    not."""
+    got = await store.get(bucket, HEALTH_KEY)
+    if not isinstance(got, Got):
+        await store.put(bucket, HEALTH_KEY, HEALTH_BODY)
+    elif got.body != HEALTH_BODY:
+        raise StoreUnavailable(f"{HEALTH_KEY} read back {len(got.body)} bytes, not the {len(HEALTH_BODY)} written")
+    return {}
+
+
+async def nats_check(events: NatsEventLog) -> dict[str, object]:
+    """The connection is up and JetStream answers (the ledger stream's info); answers its last sequence."""
+    reason = events.down_reason()
+    if reason is not None:
+        raise LogUnavailable(reason)
+    state = await events.state(LEDGER_STREAM)
+    return {"last_seq": state.last_seq}
+
+
+def _backoff(attempt: int, cap: float = START_WAIT_MAX_S) -> float:
+    return float(min(cap, 0.25 * 2 ** min(attempt, 10)))
+
+
+async def _prepare_store(store: S3Store, settings: Settings, *, probe: bool, wait: bool,
+                         health: Health | None) -> None:
+    """Create the bucket (embedded stack), check S3 answers and run the conformance probe. With ``wait``, an
+    unreachable store (:class:`StoreUnavailable`, also inside the probe) is waited for on a capped backoff; a store
+    that answers and fails the probe exits 3 (as :func:`~services.objstore.probe.run_probe_or_exit`)."""
+    attempt = 0
+    while True:
+        try:
+            if settings.local:
+                await store.create_bucket(settings.bucket, versioned=True)
+            await store.head(settings.bucket, HEALTH_KEY)
+            if probe:
+                report = await conformance_probe(store, settings.bucket)
+                if not report.ok and any("StoreUnavailable" in c.detail for c in report.failed):
+                    raise StoreUnavailable("the store stopped answering during the conformance probe: "
+                                           + report.failed[0].detail)
+                if not report.ok:  # the store answers and fails: what run_probe_or_exit says, and exit 3
+                    first = report.failed[0]
+                    print(f"object store conformance check failed: {first.name}: {first.detail}", file=sys.stderr)
+                    for other in report.failed[1:]:
+                        print(f"  also failed: {other.name}: {other.detail}", file=sys.stderr)
+                    raise SystemExit(PROBE_EXIT_CODE)
+            if health is not None:
+                health.set("s3", True)
+            return
+        except StoreUnavailable as exc:
+            if not wait:
+                raise
+            reason = f"S3 at {settings.s3_endpoint} does not answer: {exc}"
+            if health is not None:
+                health.set("s3", False, reason)
+            if attempt == 0 or attempt % 10 == 0:
+                log.warning("waiting for S3 at %s (%s)", settings.s3_endpoint, exc)
+            await asyncio.sleep(_backoff(attempt))
+            attempt += 1
+
+
+async def open_runtime(settings: Settings, service: str, *, box: str = "", probe: bool = True, wait: bool = False,
+                       health: Health | None = None) -> Runtime:
+    """Connect to the store and the stream, run the conformance probe, build the ledger.
+
+    ``wait`` (a long-running service): an unreachable S3 or NATS is waited for, forever, on a capped backoff
+    (cancel to give up), its state reported to ``health``; without it (a command) it raises at once."""
     clock: Clock = WallClock()
     rng: Random = SystemRandom()
     store = await S3Store.open(
@@ -119,14 +205,21 @@ async def open_runtime(settings: Settings, service: str, *, box: str = "", probe
         region=settings.s3_region,
     )
     try:
-        if settings.local:
-            await store.create_bucket(settings.bucket, versioned=True)
-        if probe:
-            await run_probe_or_exit(store, settings.bucket)
-        events = await NatsEventLog.connect(settings.nats_url, name=f"hostmove-{service}")
+        await _prepare_store(store, settings, probe=probe, wait=wait, health=health)
+
+        def retrying(attempt: int, reason: str) -> None:
+            if health is not None:
+                health.set("nats", False, reason)
+            if attempt == 0 or attempt % 10 == 0:
+                log.warning("waiting for NATS at %s (%s)", settings.nats_url, reason)
+
+        events = await NatsEventLog.connect(settings.nats_url, name=f"hostmove-{service}", wait=wait,
+                                            on_retry=retrying)
     except BaseException:
         await store.close()
         raise
+    if health is not None:
+        health.set("nats", True)
     actor = Actor(service=service, box=box, pid=pid(), nonce=process_nonce(rng))
     ledger = Ledger(store, events, clock, actor, settings.bucket)
     return Runtime(settings, store, events, ledger, clock, rng, actor)
