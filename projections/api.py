@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from bus.log import EventLog
 from kernel.logctx import ctx
 from kernel.ports import Clock, WallClock
 from projections.openapi import DEFAULT_LIMIT, DEFAULT_WAIT_S, MAX_LIMIT, MAX_WAIT_S, document
@@ -256,6 +257,26 @@ async def stream(request: web.Request) -> web.StreamResponse:
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
+
+
+class NotReady(Exception):
+    """Why the projection is not ready (its text is the reason shown by ``/readyz``)."""
+
+
+async def readiness(store: ProjectionStore, events: EventLog, state: dict[str, str], *,
+                    max_lag: int) -> dict[str, Any]:
+    """The projection's readiness (issue 11 item 3): its projector runs and it is at most ``max_lag`` messages behind
+    the stream's last sequence. Answers ``{"lag", "position", "last_seq"}``; raises :class:`NotReady` (or the log's
+    error) with the reason otherwise."""
+    if state.get("state", "running") != "running":
+        raise NotReady(f"the projector {state['state']}: {state.get('reason', '')}".rstrip(": "))
+    last_seq = (await events.state(store.stream)).last_seq
+    position = store.position()
+    lag = max(0, last_seq - position)
+    if lag > max_lag:
+        raise NotReady(f"the projection is {lag} messages behind the stream (position {position}, last {last_seq}; "
+                       f"the bound is {max_lag})")
+    return {"lag": lag, "position": position, "last_seq": last_seq}
 
 
 # -- the app -------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ from projections.store import Applied, IdentityChanged, ProjectionError, Project
 
 log = logging.getLogger("hostmove.projections")
 
+MAX_BACKOFF_S = 5.0
+"""The cap of the catch-up's backoff while the log is unreachable (a reconnect's :meth:`Projector.notify` cuts it
+short)."""
+
 
 def _log_alert(exc: ProjectionError) -> None:
     extra: dict[str, Any] = ctx(phase="projection", reason=exc, alert="projection")
@@ -137,7 +141,7 @@ class Projector:
             except (ProjectionError, sqlite3.Error):
                 raise
             except (LogError, Exception) as exc:  # the log is unreachable: the outcome is unknown, retry
-                backoff = min(max(backoff * 2, self.poll_interval), 30.0)
+                backoff = min(max(backoff * 2, self.poll_interval), MAX_BACKOFF_S)
                 log.warning("projection catch-up failed, retrying in %g s: %s", backoff, exc,
                             extra=ctx(phase="projection", reason=exc))
                 await self._idle(backoff)

@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from bus.log import EventLog, LogError, StoredMessage, WrongLastSequence
+from bus.log import EventLog, LogError, LogUnavailable, StoredMessage, WrongLastSequence
 from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
 from events.base import canonical, decode, validate_ident
 from events.claim import Claim
@@ -434,7 +434,8 @@ class Ledger:
             raise LedgerDefect(str(exc)) from None
 
     async def relay_all(self) -> list[str]:
-        """Relay every claim and record in the bucket. Answers the objects it could not settle."""
+        """Relay every claim and record in the bucket. Answers the objects it could not settle. An outage stops the
+        pass: :class:`~bus.log.LogUnavailable` (NATS) and the store's errors (a listing or a read) propagate."""
         from urllib.parse import unquote
 
         failed: list[str] = []
@@ -448,6 +449,8 @@ class Ledger:
                 try:
                     self._published.pop(ledger_subject(obj, host), None)
                     await self.relay(obj, host)
+                except LogUnavailable:
+                    raise  # NATS is down: no object can be settled this pass (the caller backs off)
                 except (LedgerDefect, DurableValueError, LogError) as exc:
                     log.error("relay of %s %s failed: %s", obj, host, exc,
                               extra=ctx(host=host, phase="relay", reason=exc, obj=obj))
