@@ -8,6 +8,9 @@ All state lives under one root directory (default ``.hostmove/`` in the cwd)::
     <root>/ports.json         the last ports used; reused on the next ``up`` when they are still free
     <root>/nats/  <root>/s3/  <root>/logs/
 
+``up`` on a running stack with one component dead (or unhealthy) restarts only that one, on the ports in
+``run.json``: the services keep the endpoints they already use (NATS clients reconnect, S3 requests succeed again).
+
 When a Docker engine answers, :func:`start_containers` offers the same stack through testcontainers.
 """
 
@@ -51,6 +54,7 @@ _POLL = 0.025
 _PORT_RANGE = (20000, 32000)  # below the ephemeral range; +10000 (weed's implicit gRPC offset) stays valid
 _SOCK_MAX = 100  # AF_UNIX path limit is 108 bytes
 _START_ATTEMPTS = 3
+PORTS_FREE_S = 10.0  # how long a restart waits for a dead component's ports to be free again
 
 # Popen objects of the processes this interpreter started, so we can reap them (no zombies in tests).
 _CHILDREN: dict[int, subprocess.Popen[Any]] = {}
@@ -291,11 +295,14 @@ def _s3_client(endpoint: str, creds: _Credentials) -> Any:
 
 
 def _wait_ready(nats_monitor: str, s3_endpoint: str, creds: _Credentials, deadline: float,
-                procs: dict[str, tuple[subprocess.Popen[Any], Path]] | None = None) -> None:
-    """Poll until NATS JetStream is healthy and an authenticated S3 call works; raise at ``deadline``."""
+                procs: dict[str, tuple[subprocess.Popen[Any], Path]] | None = None, *, nats: bool = True,
+                s3: bool = True) -> None:
+    """Poll until NATS JetStream is healthy and an authenticated S3 call works (only the parts asked for); raise at
+    ``deadline``."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    nats_ok = s3_up = s3_auth = False
+    nats_ok, s3_up = not nats, not s3
+    s3_auth = not s3
     client = None
     last_err = ""
     while True:
@@ -400,6 +407,82 @@ def _stop(root: Path, timeout: float = STOP_TIMEOUT) -> bool:
     return bool(pids)
 
 
+def _restart_parts(root: Path, timeout: float) -> StackInfo | None:
+    """A recorded stack with one component dead (or still unhealthy after ``timeout``) and the other ours and alive:
+    restart only the dead one, on the ports in ``run.json``, and answer the endpoints. None: nothing of the recorded
+    stack runs (or nothing is recorded), so the caller starts afresh."""
+    state: RunState | None = _read(root / "run.json", RunState)
+    info: StackInfo | None = _read(root / "stack.json", StackInfo)
+    creds: _Credentials | None = _read(root / "credentials.json", _Credentials)
+    if state is None or info is None or creds is None:
+        return None
+    nats_url, monitor_url, s3_endpoint = _endpoints(state.ports)
+    parts = {
+        "nats-server": (NATS_BIN, state.nats_pid, f"{monitor_url}/healthz?js-enabled-only=true"),
+        "weed": (WEED_BIN, state.weed_pid, f"{s3_endpoint}/healthz"),
+    }
+    alive = {name: _is_ours(pid, exe, root) for name, (exe, pid, _) in parts.items()}
+    if not any(alive.values()):
+        return None
+    deadline = time.monotonic() + timeout
+    pids = {"nats-server": state.nats_pid, "weed": state.weed_pid}
+    for name, (_exe, pid, health) in parts.items():
+        if alive[name]:
+            while not _http_ok(health) and time.monotonic() < deadline:  # starting, or JetStream recovering
+                time.sleep(0.1)
+            if _http_ok(health):
+                continue
+            _signal(pid, signal.SIGTERM)  # alive but never healthy: restart it like a dead one
+            if _wait_gone([pid], time.monotonic() + STOP_TIMEOUT):
+                _signal(pid, signal.SIGKILL)
+                _wait_gone([pid], time.monotonic() + 3.0)
+        pids[name] = _restart_one(root, name, state.ports, creds, timeout)
+        state = RunState(state.ports, pids["nats-server"], pids["weed"], state.started_at)
+        _write_private(root / "run.json", msgspec.json.encode(state))
+    info = msgspec.structs.replace(info, nats_pid=pids["nats-server"], weed_pid=pids["weed"])
+    _write_private(root / "stack.json", msgspec.json.encode(info))
+    return info
+
+
+def _restart_one(root: Path, name: str, ports: Ports, creds: _Credentials, timeout: float) -> int:
+    """Start ``name`` (``nats-server`` or ``weed``) again on ``ports``; answers its pid once healthy."""
+    wanted = [ports.nats, ports.nats_monitor] if name == "nats-server" else [
+        ports.master, ports.master_grpc, ports.volume, ports.volume_grpc, ports.filer, ports.filer_grpc, ports.s3,
+        ports.s3_grpc, ports.admin, ports.admin_grpc]
+    free_by = time.monotonic() + PORTS_FREE_S  # a killed server's sockets may take a moment to go
+    while (taken := [p for p in wanted if not _bindable(p)]) and time.monotonic() < free_by:
+        time.sleep(0.1)
+    if taken:
+        raise StackError(f"cannot restart {name} on its ports: {', '.join(map(str, taken))} taken by another process; "
+                         "free them, or `hostmove stack down` then `up` (new ports: restart the services too)")
+    _nats_url, monitor_url, s3_endpoint = _endpoints(ports)
+    log = root / "logs" / f"{'nats' if name == 'nats-server' else 'weed'}.log"
+    for attempt in range(_START_ATTEMPTS):
+        if name == "nats-server":
+            proc = _spawn(_nats_argv(root, ports), log, root / "nats")
+        else:
+            sock = _sock_dir(root)
+            sock.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for stale in (root / "s3" / "mini.options", sock / "filer.sock", sock / "s3.sock"):
+                stale.unlink(missing_ok=True)
+            _remove_grpc_sockets(ports)
+            env = {k: v for k, v in os.environ.items() if k not in ("S3_BUCKET", "AWS_PROFILE")}
+            env |= {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key}
+            proc = _spawn(_weed_argv(root, ports), log, root / "s3", env)
+        try:
+            _wait_ready(monitor_url, s3_endpoint, creds, time.monotonic() + timeout, {name: (proc, log)},
+                        nats=name == "nats-server", s3=name == "weed")
+            return proc.pid
+        except _EarlyExit:
+            if attempt == _START_ATTEMPTS - 1:
+                raise
+            time.sleep(0.5)
+        except BaseException:
+            _signal(proc.pid, signal.SIGKILL)
+            raise
+    raise AssertionError("unreachable")
+
+
 def _reusable(root: Path) -> StackInfo | None:
     info: StackInfo | None = _read(root / "stack.json", StackInfo)
     if info is None:
@@ -420,7 +503,10 @@ def stack_up(root: Path | str | None = None, *, timeout: float = UP_TIMEOUT) -> 
         info = _reusable(root)
         if info is not None:
             return info
-        _stop(root)  # a partial or unhealthy stack: stop what is left, start fresh
+        info = _restart_parts(root, timeout)  # one component dead: only it, on the ports the services use
+        if info is not None:
+            return info
+        _stop(root)  # nothing of the recorded stack runs (or it is unreadable): clean up, start fresh
         creds = _credentials(root)
         for attempt in range(_START_ATTEMPTS):
             try:

@@ -185,12 +185,12 @@ def test_down_and_fresh_up(tmp_path: Path) -> None:
         assert again.s3_access_key == info.s3_access_key
         assert _s3(again).get_object(Bucket="keep", Key="k")["Body"].read() == b"persisted"
 
-        # One side dies: up stops the rest and starts both afresh.
+        # One side dies: up restarts only it, on the ports the services already use (issue 11 item 3).
         os.kill(again.nats_pid, signal.SIGKILL)
         assert _wait_gone(again.nats_pid)
         third = stack_up(root)
-        assert {third.nats_pid, third.weed_pid}.isdisjoint({again.nats_pid, again.weed_pid})
-        assert _wait_gone(again.weed_pid)
+        assert third.nats_pid != again.nats_pid and third.weed_pid == again.weed_pid
+        assert (third.nats_url, third.s3_endpoint) == (again.nats_url, again.s3_endpoint)
         assert stack_status(root)["running"] is True
     finally:
         blocker.close()
