@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from bus.log import EventLog, PubAck
-from bus.subjects import FACTS_STREAM, alert_subject, fact_subject
+from bus.log import EventLog, PubAck, WrongLastSequence
+from bus.subjects import FACTS_STREAM, alert_subject, fact_subject, incident_subject
 from events.base import Durable, Ident, Millis, canonical
 from events.envelope import Actor
 
@@ -40,3 +40,17 @@ async def publish_alert(log: EventLog, fact: Fact) -> PubAck:
     """An alert: the operator must look. ``fact.kind`` names the alert."""
     return await log.publish(FACTS_STREAM, alert_subject(fact.kind), canonical(fact),
                              msg_id=f"alert:{fact.kind}:{fact.id}")
+
+
+async def raise_incident(log: EventLog, fact: Fact) -> bool:
+    """An incident (spec §13 "Paging"), raised exactly once ever for ``(fact.kind, fact.subject, fact.id)``: published
+    on its own subject only while that subject is empty (``Nats-Expected-Last-Subject-Sequence: 0``), so the stream
+    itself remembers it and no raiser keeps memory (a restarted recovery pass, or two of them, raise it once).
+    Answers whether this call raised it; a publish whose outcome is unknown raises :class:`~bus.log.LogError` and is
+    simply tried again (it then lands once, or finds the subject taken)."""
+    try:
+        await log.publish(FACTS_STREAM, incident_subject(fact.kind, fact.subject, fact.id), canonical(fact),
+                          msg_id=f"incident:{fact.kind}:{fact.subject}:{fact.id}", expected_last_subject_seq=0)
+    except WrongLastSequence:
+        return False
+    return True

@@ -85,6 +85,12 @@ def alert_subject(kind: str) -> str:
     return f"{ALERT_PREFIX}.{encode_token(kind)}"
 
 
+def incident_subject(kind: str, subject: str, incident: str) -> str:
+    """``hm.alert.<kind>.<subject>.<incident>``: one subject per incident, so its one message is the durable record
+    that it was raised (:func:`bus.facts.raise_incident`)."""
+    return f"{ALERT_PREFIX}.{encode_token(kind)}.{encode_token(subject)}.{encode_token(incident)}"
+
+
 def ledger_msg_id(obj: str, host: str, gen: int) -> str:
     """The ``Nats-Msg-Id`` of an object's gen: unique across the stream, bounded in length."""
     digest = hashlib.sha256(host.encode("utf-8")).hexdigest()[:32]

@@ -119,6 +119,12 @@ COPY: dict[str, Copy] = _table(
      "where it stands."),
     ("M-R32", "door", "This path does not take {method}. Allowed: {allowed}."),
     ("M-R33", "door", "The request body is larger than {limit} bytes."),
+    # the ways out of a held state (§7.10, issue 13)
+    ("M-R50", "door",
+     "{host} is not stuck (the move is {state}). resolve --retry reruns the probe of a stuck move's recovery only."),
+    ("M-R51", "door",
+     "{host} is busy with {kind} {op_id}. A failed start is cleared once the host serves again."),
+    ("M-R52", "door", "{host} is {kind}, not serving, so there is no failed start to clear."),
     ("M-R34", "door",
      "{host} runs on {box}, which was fenced (gone for good). It is being relocated to a replacement box in {region}; "
      "move it once it serves there."),
@@ -135,6 +141,9 @@ COPY: dict[str, Copy] = _table(
     ("M-S8", "door",
      "The cut of {host} did not finish in time: {reason}. Moving it back to {from_region}, where it serves again "
      "once its recovery opens."),
+    ("M-S9", "door", "Retry recorded for {host}: its recovery in {from_region} runs its probe again."),
+    ("M-S10", "door",
+     "Clearing the failed start of {host} on {box}: the box clears it and starts {host} again."),
 )
 
 

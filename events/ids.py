@@ -7,6 +7,7 @@ port, so a simulation draws them from its seed.
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 from typing import Literal, Protocol
 
@@ -25,6 +26,14 @@ def new_op_id(prefix: OpPrefix, rng: _Bytes) -> str:
         raise ValueError(f"op id prefix must be mv or rb, not {prefix!r}")
     raw = rng.token_bytes(16)
     return f"{prefix}_" + base64.b32encode(raw).decode("ascii").lower().rstrip("=")
+
+
+def rollback_id(move_id: str) -> str:
+    """The one rollback id of a move (``rb_…``, derived from the move id): a move rolls back at most once (§7.8), so
+    every actor that may trigger it (the target, the source, the console's recovery pass) names the same rollback
+    and racing triggers decide the same record."""
+    raw = hashlib.sha256(f"rollback:{move_id}".encode()).digest()[:16]
+    return "rb_" + base64.b32encode(raw).decode("ascii").lower().rstrip("=")
 
 
 def is_op_id(text: str) -> bool:

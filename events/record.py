@@ -51,8 +51,22 @@ class MoveLanding(Durable, frozen=True):
     installed_db_sha256: str = ""
 
 
+class ReturnSeal(Durable, frozen=True):
+    """The return lane's seal (§7.8 ``returning``): ``moves/<host>/<rb>/`` in the source region's bucket, each name
+    relative to its subprefix with its exact version, and ``N'`` the returned snapshot's TXID. ``from_db`` is false
+    when the target never restored a database and returned the staged seal as it was given."""
+
+    n: int
+    replica: dict[str, str] = msgspec.field(default_factory=dict)
+    files: dict[str, str] = msgspec.field(default_factory=dict)
+    timers: dict[str, str] = msgspec.field(default_factory=dict)
+    from_db: bool = True
+
+
 class Rollback(Durable, frozen=True):
-    """A rollback's own journal (§7.8)."""
+    """A rollback's own journal (§7.8). ``seal`` is the dirty return's (``returned``); ``recovery_inputs`` what the
+    source's dirty install rendered (``configured``, ``recovery.inputs``); ``probe_failures`` counts the source's
+    failed recovery probe attempts (nine: ``stuck``); ``retried_at`` the operator's last ``resolve --retry``."""
 
     id: Ident
     requested_at: Millis | None = None
@@ -65,6 +79,10 @@ class Rollback(Durable, frozen=True):
     opened_at: Millis | None = None
     target_parked_at: Millis | None = None
     release_deadline: Millis | None = None
+    seal: ReturnSeal | None = None
+    recovery_inputs: MoveInputs | None = None
+    probe_failures: int = 0
+    retried_at: Millis | None = None
 
 
 class Move(Durable, frozen=True):
@@ -95,6 +113,11 @@ class Move(Durable, frozen=True):
     rollback: Rollback | None = None
     reason: str = ""
     from_: str = msgspec.field(default="", name="from")
+    recovery_failed_at: Millis | None = None
+    """A ``reverting`` recovery's first failed probe (§7.4: fifteen minutes of them is ``stuck``)."""
+    stuck_at: Millis | None = None
+    retried_at: Millis | None = None
+    """The operator's last ``resolve --retry`` of this move (§7.10)."""
 
 
 class LastMove(Durable, frozen=True):

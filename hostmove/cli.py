@@ -183,6 +183,10 @@ async def _box_fence(args: argparse.Namespace) -> int:
 
 
 async def _host(args: argparse.Namespace) -> int:
+    if args.host_action == "resolve":  # through the door, operator-only (§7.10, §12)
+        from hostmove import move_cli
+
+        return await move_cli.run_host_resolve(args)
     from events.ids import new_incarnation
     from services.box.roster import read_roster
     from services.hosts.create import create_host
@@ -265,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     hc = hs_sub.add_parser("create", help="create a host on a box through its claim")
     hc.add_argument("host")
     hc.add_argument("--box", required=True)
+    move_cli.add_host_resolve(hs_sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
     return p
 

@@ -196,6 +196,15 @@ class DoorClient:
     async def abort(self, host: str) -> Reply:
         return await self._call("POST", self._path(host, "/abort"))
 
+    async def resolve(self, host: str) -> Reply:
+        """``POST .../move/resolve {"retry": true}``: a stuck move's recovery probes again (§7.10)."""
+        return await self._call("POST", self._path(host, "/resolve"), {"retry": True})
+
+    async def clear_failed(self, host: str) -> Reply:
+        """``POST /v1/hosts/{host}/resolve {"clear_failed": true}``: the serving box clears a failed route."""
+        return await self._call("POST", f"{self.config.url}/v1/hosts/{quote(host, safe='')}/resolve",
+                                {"clear_failed": True})
+
 
 def _why(exc: BaseException) -> str:
     """A connection failure in plain words, without headers (the token rides in one)."""
@@ -508,7 +517,7 @@ def add_parser(subparsers: Any) -> None:
                       help="follow the move (the default); see --until")
     wait.add_argument("--no-wait", dest="wait", action="store_false", help="return once the move is accepted")
     _follow_options(mv, inherit=False)
-    actions = mv.add_subparsers(dest="move_action", required=False, metavar="{watch,status,cut,abort}")
+    actions = mv.add_subparsers(dest="move_action", required=False, metavar="{watch,status,cut,abort,resolve}")
     wt = actions.add_parser("watch", help="follow a move another command started, printing its progress",
                             epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     wt.add_argument("--host", required=True)
@@ -523,6 +532,46 @@ def add_parser(subparsers: Any) -> None:
                        ("abort", "abort a move in preparing, ready, or with its cut only requested")):
         p = actions.add_parser(name, help=text)
         p.add_argument("--host", required=True)
+    rs = actions.add_parser("resolve", help="a stuck move: --retry runs its recovery's probe again (§7.10)",
+                            epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    rs.add_argument("--host", required=True)
+    rs.add_argument("--retry", action="store_true", help="rerun the recovery's probing phase (a new admission)")
+
+
+def add_host_resolve(host_actions: Any) -> None:
+    """``hostmove host resolve --host H --clear-failed`` (its runner: :func:`run_host_resolve`)."""
+    rs = host_actions.add_parser("resolve", help="clear a host's failed start (five failed starts of a wake)",
+                                 epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    rs.add_argument("--host", required=True)
+    rs.add_argument("--clear-failed", action="store_true",
+                    help="the serving box clears the failed route and starts the host again")
+
+
+async def run_host_resolve(args: argparse.Namespace, *, environ: Mapping[str, str] | None = None) -> int:
+    """``hostmove host resolve --host H --clear-failed`` through the door (operator-only)."""
+    out, err = sys.stdout, sys.stderr
+    if not getattr(args, "clear_failed", False):
+        _print("hostmove host resolve: --clear-failed is the one resolution a host takes", err)
+        return EXIT_CONFIG
+    try:
+        config = load_config(os.environ if environ is None else environ)
+    except ConfigProblem as exc:
+        _print(f"hostmove host resolve: {exc}", err)
+        return EXIT_CONFIG
+    async with aiohttp.ClientSession() as session:
+        try:
+            reply = await DoorClient(config, session).clear_failed(args.host)
+        except DoorUnreachable as exc:
+            _print(f"hostmove host resolve: {exc} (exit {EXIT_UNAVAILABLE}: nothing was sent)", err)
+            return EXIT_UNAVAILABLE
+        except NotTheDoor as exc:
+            _print(f"hostmove host resolve: {exc}", err)
+            return EXIT_CONFIG
+    if not reply.ok:
+        return not_ok(reply, err)
+    note = "" if reply.body.get("changed", True) else " (it already was requested)"
+    _print(str(reply.body.get("message", "")) + note, out)
+    return EXIT_DONE
 
 
 def _print(text: str, stream: TextIO) -> None:
@@ -578,6 +627,15 @@ async def run(args: argparse.Namespace, *, clock: Clock | None = None,
                 return await _status(door, args, clock, out, err)
             if action == "watch":
                 return await _watch(door, args, clock, out, err)
+            if action == "resolve":
+                if not getattr(args, "retry", False):
+                    _print("hostmove move resolve: --retry is the resolution built (rerun a stuck move's probe)", err)
+                    return EXIT_CONFIG
+                reply = await door.resolve(args.host)
+                if not reply.ok:
+                    return not_ok(reply, err)
+                _print(str(reply.body.get("message", "")), out)
+                return EXIT_DONE
             if action in ("cut", "abort"):
                 reply = await (door.cut(args.host) if action == "cut" else door.abort(args.host))
                 if not reply.ok:
@@ -714,7 +772,7 @@ async def follow(door: DoorClient, host: str, move_id: str, first: Mapping[str, 
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "UNTIL", "ConfigProblem", "DoorClient",
-    "DoorConfig", "DoorUnreachable", "NotTheDoor", "Reply", "Timing", "Watch", "add_parser", "closing_line",
-    "follow", "load_config", "milestones", "not_ok", "offline_ms", "outcome", "redact_url", "rev_phase", "run",
-    "serving_end", "status_lines", "timings",
+    "DoorConfig", "DoorUnreachable", "NotTheDoor", "Reply", "Timing", "Watch", "add_host_resolve", "add_parser",
+    "closing_line", "follow", "load_config", "milestones", "not_ok", "offline_ms", "outcome", "redact_url",
+    "rev_phase", "run", "run_host_resolve", "serving_end", "status_lines", "timings",
 ]

@@ -323,7 +323,7 @@ async def test_a_rollback_through_restoring_audits_clean(env: Env) -> None:
     await w.cut_to_flip()
     await w.land_to("configured")
     expect = tgt.Expect(w.move_id, w.incarnation, TGT)
-    await w.record("rollback", lambda cur: tgt.decide_rollback(cur, expect, "the probe failed", "rb-1", w.now()))
+    await w.record("rollback", lambda cur: tgt.decide_rollback(cur, expect, "the probe failed", w.now()))
     restoring = await w.follow("rollback-claim")
     assert (restoring.op.kind, restoring.op.exec) == ("restoring", TGT)
 

@@ -851,7 +851,7 @@ def test_a_move_runs_the_real_runners_and_every_acknowledged_write_is_served() -
     result = run_witness(WITNESS_BY_NAME["wMove"], trace=True)
     assert not result.violations and result.error is None, result.report()
     text = _move_trace(result)
-    for what in ("move requested", "preparing round", "cutting: ", "landing: ", "(probe)", "park park-staging",
+    for what in (" requested from ie to uk", "preparing round", "cutting: ", "landing: ", "(probe)", "park park-staging",
                  "move-done", "write before4 to h1.example on ie-1: acknowledged",
                  "write after2 to h1.example on uk-1: acknowledged", "list_versions hostmove-data-uk/moves/"):
         assert what in text, what

@@ -166,12 +166,12 @@ def test_commit_and_rollback_exclude_each_other() -> None:
     rec = at_phase("probed")
     committed = phases.decide_commit(rec, EXPECT, T0)
     assert isinstance(committed, Record)
-    assert isinstance(phases.decide_rollback(committed, EXPECT, "late", "rb_" + "c" * 26, T0), Refusal)
-    rolled = phases.decide_rollback(rec, EXPECT, "probe failed", "rb_" + "c" * 26, T0)
+    assert isinstance(phases.decide_rollback(committed, EXPECT, "late", T0), Refusal)
+    rolled = phases.decide_rollback(rec, EXPECT, "probe failed", T0)
     assert isinstance(rolled, Record) and rolled.move is not None and rolled.move.rollback is not None
     assert rolled.move.state == "rolling_back" and rolled.move.rollback.release_deadline == T0 + 15 * 60_000
     assert isinstance(phases.decide_commit(rolled, EXPECT, T0), Refusal)
-    assert isinstance(phases.decide_rollback(rolled, EXPECT, "again", "rb_" + "d" * 26, T0), NoChange)
+    assert isinstance(phases.decide_rollback(rolled, EXPECT, "again", T0), NoChange)
 
 
 def test_open_only_after_the_commit_and_once() -> None:
@@ -1038,7 +1038,7 @@ async def test_a_rollback_recorded_by_another_actor_wins_over_a_stale_commit(
     stale = (await world.ledger.read_record(host)).state
     assert stale is not None and stale.move is not None
     out = await world.ledger.transition("record", host, "landing-deadline", lambda r: phases.decide_rollback(
-        r, EXPECT, "the landing deadline passed", "rb_" + "e" * 26, WallClock().now_ms()))
+        r, EXPECT, "the landing deadline passed", WallClock().now_ms()))
     assert isinstance(out, Committed)
     step = await worker._commit(host, EXPECT, stale.move)
     assert step.outcome == "blocked" and "rolling_back" in step.detail, step

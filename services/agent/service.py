@@ -75,6 +75,7 @@ from services.door.api import Door
 from services.ledger.badobjects import BadObjects
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.move import park as parking
+from services.move.resolve import CLEAR_FAILED, decide_clear_failed_done
 from services.move.sides import (
     FAST,
     Deployment,
@@ -189,7 +190,8 @@ class BoxAgent:
             label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_store=store, data_bucket=cfg.data_bucket,
             ledger=ledger, registry=self.registry, stamps=self.stamps, timers=self.timers, clock=clock, rng=rng,
             private_key=key, probe_factory=probe_factory, probe_timing=self.timing.probe,
-            sync_interval_s=self.timing.sync_interval_s, tree=tree, instances=self.ctx.instances), faults=faults)
+            sync_interval_s=self.timing.sync_interval_s, tree=tree, instances=self.ctx.instances,
+            release_budget_ms=int(self.timing.move.source.release_budget_s * 1000)), faults=faults)
         deployment = Deployment(door=Door(ledger, clock=clock, rng=rng),
                                 regions=lambda region: (store, region_bucket(region)),
                                 region_key=lambda region: key.public_key(), events=events)
@@ -285,6 +287,25 @@ class BoxAgent:
         self._held_off[host] = _HeldOff(self.clock.monotonic() + delay, delay)
         log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason)
         return f"{host} not started: {started.reason}"
+
+    async def _clear_failed(self, host: str, claim: Claim) -> str:
+        """An operator's ``host resolve --clear-failed`` (:mod:`services.move.resolve`): the route the retry policy
+        marked ``failed`` becomes ``ready`` and the wake's backoff is forgotten, so the next pass starts it again;
+        then the request leaves the claim (journaled: both halves are claim events)."""
+        pending = claim.op.journal.get(CLEAR_FAILED)
+        at = pending.get("at") if isinstance(pending, dict) else None
+        row = self.registry.get(host)
+        failed = row is not None and row.status == "failed"
+        if failed:
+            self.registry.set_status(host, "ready")
+        self._held_off.pop(host, None)
+        label, acted = self.label, at if isinstance(at, int) else -1
+        await self.ledger.transition("claim", host, "clear-failed-done",
+                                     lambda cur: decide_clear_failed_done(cur, label, acted), causation=f"box:{label}")
+        who = pending.get("by", "an operator") if isinstance(pending, dict) else "an operator"
+        log.warning("%s: the failed start was %s (operator %s)", host, "cleared" if failed else "not failed here", who,
+                    extra=ctx(host=host, box=label, phase="clear-failed", operator=who))
+        return f"failed start {'cleared' if failed else 'not found'} (operator {who})"
 
     def not_the_writer(self, claim: Claim | None) -> str | None:
         """Why an instance running here may not run on (issue 14 item 5; §19.2 K1, K6), or None. Its claim must name
@@ -453,6 +474,9 @@ class BoxAgent:
                 out.did += list(chores.did)
                 await self.activator.flush_alerts()
             if claim.op.kind == "serving":
+                if claim.op.exec == self.label and CLEAR_FAILED in claim.op.journal:
+                    out.did.append(await self._clear_failed(host, claim))
+                    continue
                 if claim.op.exec == self.label:
                     did = await self._serve(host, claim)
                     if did:

@@ -6,6 +6,8 @@ Routes (the OpenAPI document, :func:`document`, lists exactly these):
 - ``GET  /v1/hosts/{host}/move[?detail=1]``: the move's status;
 - ``POST /v1/hosts/{host}/move/cut``: the manual cut request (§7.4 ``requested``);
 - ``POST /v1/hosts/{host}/move/abort``: the abort decision (§7.11);
+- ``POST /v1/hosts/{host}/move/resolve`` ``{"retry": true}``: a stuck move's recovery probes again (§7.10);
+- ``POST /v1/hosts/{host}/resolve`` ``{"clear_failed": true}``: a failed route is cleared by its box (§5.1 step 9);
 - ``POST /v1/hosts/{host}/create`` ``{"box": <label>}``: set up a host (claim spec §4);
 - ``GET  /openapi.json``, ``GET /healthz``: open.
 
@@ -62,12 +64,14 @@ from services.door.decide import (
     intent_matches,
     parse_create_request,
     parse_empty,
+    parse_flag,
     parse_move_request,
     refuse,
     status_view,
 )
 from services.hosts.create import create_host
 from services.ledger.ledger import Committed, Conflict, Ledger, LedgerDefect, NoChange, Refusal
+from services.move.resolve import NotStuck, decide_clear_failed, decide_retry
 from services.objstore.port import Got, StoreError
 
 log = logging.getLogger("hostmove.door")
@@ -237,6 +241,70 @@ class Door:
     async def abort(self, host: str, who: Identity) -> Answer:
         """The abort decision (§7.11): ``state = aborted``; retirement and the close are later steps."""
         return await self._record_step(host, "move-abort", decide_abort, who, "M-S2", operator=who.label)
+
+    async def resolve(self, host: str, who: Identity) -> Answer:
+        """§7.10 ``resolve --retry`` (operator-only): a ``stuck`` move's recovery reruns its ``probing`` phase, a new
+        admission (:func:`services.move.resolve.decide_retry`); refused with its sentence in every other state."""
+        claim = await self.claim(host)
+        if claim is None:
+            return refusal_answer(refuse(404, "M-R2", host=host))
+        now = self.clock.now_ms()
+
+        def decide(cur: Record | None) -> Record | NoChange | Refusal:
+            out = decide_retry(cur, claim, now)
+            if isinstance(out, NotStuck):
+                return refuse(409, "M-R50", host=host, state=out.state) if out.state else refuse(
+                    409, "M-R19", host=host)
+            return out
+
+        with reading(f"The record of {host}"):
+            out = await self.ledger.transition("record", host, "move-retry", decide,
+                                               causation=f"door: operator {who.label}")
+        if isinstance(out, Refusal):
+            return refusal_answer(out)
+        if isinstance(out, Conflict):
+            return refusal_answer(refuse(409, "M-R17", host=host))
+        record = out.state if isinstance(out, Committed) else await self.record(host)
+        move = record.move if record is not None else None
+        log.warning("resolve --retry of %s: move %s back to %s (operator %s)", host, move.id if move else "-",
+                    move.state if move else "-", who.label,
+                    extra=ctx(host=host, op_id=move.id if move else None, phase="move-retry", operator=who.label))
+        view = status_view(host, claim, record, detail=False)
+        view.update(changed=isinstance(out, Committed), copy="M-S9",
+                    message=say("M-S9", host=host, from_region=move.from_ if move is not None else "its region"))
+        return Answer(200, view)
+
+    async def clear_failed(self, host: str, who: Identity) -> Answer:
+        """``hostmove host resolve --clear-failed`` (operator-only): the serving box clears a route the retry policy
+        marked failed (§5.1 step 9). Journaled on the claim; refused while a move or any operation holds the host."""
+        claim = await self.claim(host)
+        if claim is None:
+            return refusal_answer(refuse(404, "M-R2", host=host))
+        if claim.op.kind != "serving":
+            if claim.op.id:
+                return refusal_answer(refuse(409, "M-R51", host=host, kind=claim.op.kind, op_id=claim.op.id))
+            return refusal_answer(refuse(409, "M-R52", host=host, kind=claim.op.kind))
+        now = self.clock.now_ms()
+
+        def decide(cur: Claim | None) -> Claim | NoChange | Refusal:
+            out = decide_clear_failed(cur, who.label, now)
+            if isinstance(out, Refusal) and cur is not None:
+                return refuse(409, "M-R52", host=host, kind=cur.op.kind)
+            return out
+
+        with reading(f"The claim of {host}"):
+            out = await self.ledger.transition("claim", host, "clear-failed", decide,
+                                               causation=f"door: operator {who.label}")
+        if isinstance(out, Refusal):
+            return refusal_answer(out)
+        if isinstance(out, Conflict):
+            return refusal_answer(refuse(409, "M-R17", host=host))
+        log.warning("clear-failed of %s on %s requested (operator %s)", host, claim.op.exec, who.label,
+                    extra=ctx(host=host, box=claim.op.exec, phase="clear-failed", operator=who.label))
+        after = out.state if isinstance(out, Committed) else await self.claim(host)
+        return Answer(200, {"host": host, "claim": claim_summary(after) if after is not None else None,
+                            "changed": isinstance(out, Committed), "copy": "M-S10",
+                            "message": say("M-S10", host=host, box=claim.op.exec)})
 
     async def status(self, host: str, *, detail: bool) -> Answer:
         claim = await self.claim(host)
@@ -415,6 +483,26 @@ async def post_abort(request: web.Request) -> web.Response:
     return _json(await request.app[DOOR].abort(host, who))
 
 
+async def post_resolve(request: web.Request) -> web.Response:
+    who = _who(request, operator=True)
+    host = _host(request)
+    _query(request, ())
+    bad = parse_flag(await _body(request), "retry")
+    if bad is not None:
+        raise _Refused(bad)
+    return _json(await request.app[DOOR].resolve(host, who))
+
+
+async def post_host_resolve(request: web.Request) -> web.Response:
+    who = _who(request, operator=True)
+    host = _host(request)
+    _query(request, ())
+    bad = parse_flag(await _body(request), "clear_failed")
+    if bad is not None:
+        raise _Refused(bad)
+    return _json(await request.app[DOOR].clear_failed(host, who))
+
+
 async def post_create(request: web.Request) -> web.Response:
     who = _who(request, operator=True)
     host = _host(request)
@@ -443,6 +531,8 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/hosts/{host}/move", get_move),
     ("POST", "/v1/hosts/{host}/move/cut", post_cut),
     ("POST", "/v1/hosts/{host}/move/abort", post_abort),
+    ("POST", "/v1/hosts/{host}/move/resolve", post_resolve),
+    ("POST", "/v1/hosts/{host}/resolve", post_host_resolve),
     ("POST", "/v1/hosts/{host}/create", post_create),
 )
 
@@ -559,6 +649,22 @@ def document() -> dict[str, Any]:
                 "aborted; its staging is retired and the move closes later",
                 {"200": _resp("StepAnswer", "the abort is recorded (changed false: it already was)")}, None,
             )},
+            "/v1/hosts/{host}/move/resolve": {"post": _mutation(
+                "resolveMove",
+                "a stuck move's recovery runs its probe again, a new admission (§7.10 resolve --retry); refused in "
+                "every other state",
+                {"200": _resp("StepAnswer", "the retry is recorded: the move is rolling back or reverting again")},
+                {"type": "object", "additionalProperties": False, "required": ["retry"],
+                 "properties": {"retry": {"const": True}}},
+            )},
+            "/v1/hosts/{host}/resolve": {"post": _mutation(
+                "resolveHost",
+                "clear a route the retry policy marked failed (five failed starts of a serving wake): the serving "
+                "box clears it and starts the host again; refused while an operation holds the host",
+                {"200": _resp("HostResolved", "the request is journaled on the claim (changed false: it was)")},
+                {"type": "object", "additionalProperties": False, "required": ["clear_failed"],
+                 "properties": {"clear_failed": {"const": True}}},
+            )},
             "/v1/hosts/{host}/create": {"post": _mutation(
                 "createHost", "create a host on a box with a fresh incarnation (claim: creating, then serving)",
                 {"201": _resp("Created", "the host is serving on the box")}, _ref("CreateRequest"),
@@ -634,6 +740,12 @@ def _schemas() -> dict[str, Any]:
         "StepAnswer": {
             "type": "object", "properties": {**status_props, "changed": {"type": "boolean"}},
             "required": [*status_required, "changed"],
+        },
+        "HostResolved": {
+            "type": "object",
+            "properties": {"host": {"type": "string"}, "claim": {"anyOf": [_ref("ClaimOp"), {"type": "null"}]},
+                           "changed": {"type": "boolean"}, "message": {"type": "string"}, "copy": {"type": "string"}},
+            "required": ["host", "claim", "changed", "message", "copy"],
         },
         "Created": {
             "type": "object",

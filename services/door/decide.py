@@ -202,6 +202,17 @@ def parse_empty(body: bytes) -> DoorRefusal | None:
     return value if isinstance(value, DoorRefusal) else None
 
 
+def parse_flag(body: bytes, name: str) -> DoorRefusal | None:
+    """``{"<name>": true}``, the one verb a resolve door takes (§7.10: ``{"retry": true}``; a host's
+    ``{"clear_failed": true}``)."""
+    value = _object(body, (name,), empty_ok=False)
+    if isinstance(value, DoorRefusal):
+        return value
+    if value.get(name) is not True:
+        return refuse(400, "M-R4", reason=f"{name} must be true, not {echo(value.get(name))}")
+    return None
+
+
 # -- the target and the floor ---------------------------------------------------------------------
 
 
@@ -437,6 +448,11 @@ def status_line(host: str, claim: Claim | None, record: Record | None) -> tuple[
         if move.state == "reverting":  # §7.4 reverting
             return "M-S8", say("M-S8", host=host, reason=move.reason.rstrip(".") or "the cut stopped",
                                from_region=move.from_ or "its region")
+        if move.state == "rolling_back":  # §7.8
+            return "M-C8", say("M-C8", to_region=move.to, host=host, reason=move.reason.rstrip(".") or "it failed",
+                               from_region=move.from_ or "its region")
+        if move.state == "stuck":  # §7.10: held for the operator's resolve --retry
+            return "M-C11", say("M-C11", host=host, to_region=move.to, from_region=move.from_ or "its region")
     if move is None and record is not None and record.last_move is not None and op.kind == "serving":
         last = record.last_move
         return "M-S5", say("M-S5", host=host, move_id=last.id, outcome=last.outcome.replace("_", " "))

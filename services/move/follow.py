@@ -95,11 +95,15 @@ def claim_half(claim: Claim | None, record: Record | None) -> Claim | NoChange |
     if op.kind == "moving" and move.cut_phase == "flipped" and move.state == "landing":
         if rules.on("exec-needs-evidence") and not move.source.evidence:
             return Refusal("the flip names no stop evidence; execution does not move without it (K4)")
+        # The flip journals the source installation's stamp and generation (D§3.1 "stamp F; journal S, src_gen"):
+        # a rollback's return CAS writes them back (§7.8 claimed, rule return-stamp).
+        stamp = claim.holder.stamp if claim.holder is not None else 0
+        src = {"src_gen": claim.holder.generation} if claim.holder is not None else {}
         return msgspec.structs.replace(
             claim,
             op=msgspec.structs.replace(
-                op, kind="landing", phase="checking", exec=target,
-                journal=_journal(op, **{"evidence.source": move.source.evidence}),
+                op, kind="landing", phase="checking", exec=target, source_stamp=op.source_stamp or stamp,
+                journal=_journal(op, **{"evidence.source": move.source.evidence, **src}),
             ),
         )
     if op.kind == "landing" and move.state == "committed" and op.phase != "committed":

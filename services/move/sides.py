@@ -28,18 +28,22 @@ from services.box.instance.activator import Activator, BoxContext
 from services.box.instance.evidence import LeaseObservation, lease_file_check
 from services.box.instance.timers import Timers
 from services.door.api import Door
+from services.ledger.ledger import Committed, NoChange
 from services.move import park as parking
+from services.move import rollback
 from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
 from services.source.lease import lease_timing
 from services.source.phases import TimingProfile
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
+from services.source.return_install import ReturnInstall
 from services.source.reverting import RevertRunner
 from services.source.rollback_recovery import RollbackRecovery
 from services.source.worker import SourceBox, SourceWorker
 from services.target.readiness import BoxFacts, report_readiness
 from services.target.release import TargetRelease
+from services.target.returning import ReturnLane
 from services.target.worker import LandingWorker
 
 log = logging.getLogger("hostmove.move.sides")
@@ -189,9 +193,14 @@ class SourceRunners:
             ctx.label, ledger, parking.Parker(ctx.data_store, ctx.data_bucket, ctx.clock, timing=timings.park),
             events=deployment.events, local_retire=self._local_retire, faults=faults)
         self.revert = RevertRunner(ctx.label, ledger, ctx.registry, source.timers, source.activator, self.cut,
-                                   self.final, ctx.files_dir)
-        self.recovery = RollbackRecovery(ctx.label, ledger, ctx.registry, source.timers, source.activator,
-                                         self.final, ctx.files_dir)
+                                   self.final, ctx.files_dir,
+                                   probe_budget_ms=int(timings.source.revert_probe_budget_s * 1000))
+        self.recovery = RollbackRecovery(
+            ctx.label, ledger, ctx.registry, source.timers, source.activator, self.final, ctx.files_dir,
+            region=ctx.region, install=ReturnInstall(
+                label=ctx.label, region=ctx.region, box_dir=ctx.box_dir, data_store=ctx.data_store,
+                data_bucket=ctx.data_bucket, registry=ctx.registry, timers=source.timers, clock=ctx.clock,
+                private_key=source.secrets_key, launch=source.launch, faults=faults))
 
     @property
     def label(self) -> str:
@@ -232,6 +241,10 @@ class SourceRunners:
             if claim is not None and claim.op.kind == "moving":  # the claim follows the flip (§7.5)
                 out = await self.cut.run(host, move.id, move.incarnation)
                 return SideStep(progressed=out.progressed, wait="the target lands")
+            if stage == "landing" and move.landing_deadline is not None:  # §7.8: the source's deadline trigger
+                if self.side.ctx.clock.now_ms() > move.landing_deadline:
+                    return await self._deadline_rollback(host, move.id, move.incarnation)
+                return SideStep(wait="the target lands", wake_at=move.landing_deadline + 1)
             return SideStep(wait="the target lands")
         if stage == "aborting" and move is not None:
             return _park_step(await self.final.source_park_unmoved(host, move.id))
@@ -242,10 +255,25 @@ class SourceRunners:
             return SideStep(wait=rev.reason)
         if stage == "rolling_back" and move is not None:
             rec = await self.recovery.run(host, move.id)
+            if rec.stuck:
+                return SideStep(stop=rec.reason)
             return _park_step(rec.report) if rec.report is not None else SideStep(wait=rec.reason)
         if stage == "finalizing":
             return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
+
+    async def _deadline_rollback(self, host: str, move_id: str, incarnation: str) -> SideStep:
+        """§7.8: ``landing_deadline`` passed with no commit: the record CAS ``landing -> rolling_back`` (one of the
+        commit and the rollbacks wins), then the claim half it decided (§7.5)."""
+        now = self.side.ctx.clock.now_ms()
+        release_ms = int(self.t.source.release_budget_s * 1000)
+        out = await self.ledger.transition("record", host, "landing-deadline-rollback", lambda cur: (
+            rollback.decide_deadline_rollback(cur, move_id, incarnation, now, release_ms)))
+        if isinstance(out, Committed):
+            log.warning("%s: the landing deadline of %s passed with no commit; rolling back", host, move_id)
+            await self.final.follow(host)
+        return SideStep(progressed=isinstance(out, Committed | NoChange),
+                        wait="" if isinstance(out, Committed | NoChange) else getattr(out, "reason", ""))
 
 
 class TargetRunners:
@@ -261,11 +289,16 @@ class TargetRunners:
             parking.Parker(tbox.data_store, tbox.data_bucket, tbox.clock, timing=timings.park),
             events=deployment.events, faults=faults, staging_lease=lease_timing(timings.source),
             staging_region=tbox.region)
-        self.release = TargetRelease(target.worker, self.final, self._local_retire)
+        self.release = TargetRelease(target.worker, self.final, self._local_retire, lanes=self._lane)
 
     @property
     def label(self) -> str:
         return self.side.worker.box.label
+
+    def _lane(self, region: str) -> ReturnLane:
+        """The return lane's bucket in ``region`` and that region's public key (§7.8 returning)."""
+        store, bucket = self.d.regions(region)
+        return ReturnLane(store, bucket, self.d.region_key(region))
 
     async def _local_retire(self, host: str, move_id: str, hold_op: str) -> object:
         """The target's local park of a released landing (§7.8 ``cleaning``, §6.4): its stamps, row and timers."""

@@ -6,7 +6,13 @@ For every host with a record, with no memory of its own:
 - releases the claim from ``last_move`` after a crash between the two halves of a close (K8);
 - finishes a door request that crashed between its claim and record CASes (K2; digest D§13.1);
 - raises an alert, once per move and kind, for a deadline passed (``cut_deadline`` before the flip,
-  ``landing_deadline`` before the commit, ``release_deadline`` while rolling back);
+  ``landing_deadline`` before the commit);
+- takes the ``landing_deadline`` trigger of a rollback (§7.8): a landing past its deadline with no commit is rolled
+  back by the record CAS ``landing -> rolling_back`` (the commit CASes the same field, so one wins), and the claim
+  follows;
+- raises the incidents a move owes (:mod:`services.move.incidents`: ``stuck``, ``rolling_back`` past
+  ``release_deadline`` with no target evidence), each exactly once, durably: the stream is their memory, so a
+  restarted pass raises nothing twice;
 - relocates the hosts of a fenced box (:mod:`services.recovery.relocation`): a serving host of a fenced box to
   ``relocating`` at ``pinning``, and from there to its region's replacement box once one is enrolled (alerting
   once while none is).
@@ -31,8 +37,11 @@ from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
+from services.move.incidents import incidents_owed, raise_owed
+from services.move.rollback import decide_deadline_rollback
 from services.objstore.port import StoreError
 from services.recovery.relocation import PINNING, decide_fence_host, decide_relocation_target
+from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.recovery")
 
@@ -58,12 +67,7 @@ def deadlines_passed(record: Record | None, now_ms: int) -> list[DeadlineAlert]:
         out.append(DeadlineAlert("cut-deadline", move.id, move.cut_deadline))
     if move.landing_deadline is not None and now_ms > move.landing_deadline and move.state == "landing":
         out.append(DeadlineAlert("landing-deadline", move.id, move.landing_deadline))
-    rb = move.rollback
-    if rb is not None and rb.release_deadline is not None and now_ms > rb.release_deadline and (
-        move.state == "rolling_back" and rb.target_parked_at is None
-    ):
-        out.append(DeadlineAlert("release-deadline", move.id, rb.release_deadline))
-    return out
+    return out  # release_deadline is an incident (services/move/incidents.py), raised durably once
 
 
 @dataclass
@@ -76,9 +80,10 @@ class PassReport:
 
 
 class RecoveryPass:
-    def __init__(self, ledger: Ledger, events: EventLog) -> None:
+    def __init__(self, ledger: Ledger, events: EventLog, *, release_ms: int = ROLLBACK_RELEASE_MS) -> None:
         self.ledger = ledger
         self.events = events
+        self.release_ms = release_ms
         self._alerted: set[tuple[str, str]] = set()
         self._roster: Roster | None = None
         self._fenced: frozenset[str] = frozenset()
@@ -128,11 +133,34 @@ class RecoveryPass:
                 report.claim_halves.append(f"{host}: {out.state.op.kind}/{out.state.op.phase}")
             elif isinstance(out, Refusal):
                 report.errors.append(f"{host}: {out.reason}")
-        for alert in deadlines_passed(record, self.ledger.clock.now_ms()):
+        now = self.ledger.clock.now_ms()
+        if claim is not None and record is not None and _landing_overdue(record, now):
+            await self._deadline_rollback(host, record, report)
+            record, claim = (await self.ledger.read_record(host)).state, (await self.ledger.read_claim(host)).state
+        for alert in deadlines_passed(record, now):
             await self._alert_once(host, alert.move_id, alert.kind, {"move": alert.move_id, "deadline": alert.deadline},
                                    report)
+        for incident in incidents_owed(record, claim, now):
+            if await raise_owed(self.events, self.ledger.actor, incident, now):
+                report.alerts.append(f"{host}: {incident.kind}")
         if claim is not None and self._roster is not None:
             await self._relocate(host, claim, report)
+
+    async def _deadline_rollback(self, host: str, record: Record, report: PassReport) -> None:
+        """§7.8's ``landing_deadline`` trigger, then the claim half it decided (§7.5)."""
+        assert record.move is not None
+        move_id, incarnation, now, release_ms = record.move.id, record.move.incarnation, self.ledger.clock.now_ms(), \
+            self.release_ms
+        out = await self.ledger.transition("record", host, "landing-deadline-rollback", lambda cur: (
+            decide_deadline_rollback(cur, move_id, incarnation, now, release_ms)), causation="recovery")
+        if not isinstance(out, Committed):
+            return
+        report.claim_halves.append(f"{host}: rolling_back (the landing deadline passed)")
+        decided = out.state
+        half = await self.ledger.transition("claim", host, "follow-record", lambda cur: claim_half(cur, decided),
+                                            causation="recovery")
+        if isinstance(half, Refusal):
+            report.errors.append(f"{host}: {half.reason}")
 
     async def _alert_once(self, host: str, op_id: str, kind: str, payload: dict[str, object],
                           report: PassReport) -> None:
@@ -202,6 +230,12 @@ class RecoveryPass:
         out = await self.ledger.transition("record", host, "move-requested", finish, causation="recovery")
         if isinstance(out, Committed):
             report.records_finished.append(host)
+
+
+def _landing_overdue(record: Record, now_ms: int) -> bool:
+    move = record.move
+    return move is not None and move.state == "landing" and move.landing_deadline is not None and \
+        now_ms > move.landing_deadline
 
 
 def _record_lacks_move(record: Record | None, claim: Claim) -> bool:

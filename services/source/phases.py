@@ -82,6 +82,8 @@ class TimingProfile:
     clock_skew_s: float = 10.0  # §7.3 SafeUntil's clock skew allowance
     signature_age_s: float = 900.0  # §7.3 S3's signature-age limit (15 min) in SafeUntil = Until - skew - 15 min
     prepare_bound_s: float = 3600.0  # §7.11: a move never ready this long after its request aborts itself (§13)
+    release_budget_s: float = 900.0  # §7.8: release_deadline = the rollback's CAS + 15 min
+    revert_probe_budget_s: float = 900.0  # §7.4 reverting: fifteen minutes of failed probes is stuck
 
     def __post_init__(self) -> None:
         if self.staging_lease_ttl_s <= self.clock_skew_s + self.signature_age_s:
@@ -101,7 +103,8 @@ PRODUCTION: Final = TimingProfile("production", cut_window_s=120.0, open_budget_
                                   landing_budget_s=900.0, drain_timeout_s=10.0)
 FAST: Final = TimingProfile("fast", cut_window_s=12.0, open_budget_s=0.5, freshness_s=60.0,
                             landing_budget_s=30.0, drain_timeout_s=2.0, staging_lease_ttl_s=2.0,
-                            clock_skew_s=0.05, signature_age_s=0.3, prepare_bound_s=120.0)
+                            clock_skew_s=0.05, signature_age_s=0.3, prepare_bound_s=120.0, release_budget_s=20.0,
+                            revert_probe_budget_s=30.0)
 
 
 # -- readiness ----------------------------------------------------------------------------------------------

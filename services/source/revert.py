@@ -144,8 +144,30 @@ def decide_stuck(record: Record | None, move_id: str, reason: str, now_ms: int) 
     if move.state != "reverting":
         return Refusal(f"the move is {move.state}, not reverting")
     return msgspec.structs.replace(record, move=msgspec.structs.replace(
-        move, state="stuck", reason=reason, updated_at=now_ms))
+        move, state="stuck", reason=reason, stuck_at=now_ms, updated_at=now_ms))
+
+
+def decide_revert_probe_failed(record: Record | None, move_id: str, why: str, now_ms: int, budget_ms: int
+                               ) -> Record | NoChange | Refusal:
+    """A failed ``reverting`` probe (§7.4): the first failure's time is recorded (``recovery_failed_at``, or the
+    operator's ``retried_at`` when later); once failures have lasted ``budget_ms`` (fifteen minutes) the move records
+    ``stuck`` with the reason, held for an operator (§7.10)."""
+    if record is None or record.move is None or record.move.id != move_id:
+        return Refusal("the record holds no such move")
+    move = record.move
+    if move.state != "reverting":
+        return Refusal(f"the move is {move.state}, not reverting")
+    first = move.recovery_failed_at
+    if first is None or (move.retried_at is not None and move.retried_at > first):
+        return msgspec.structs.replace(record, move=msgspec.structs.replace(
+            move, recovery_failed_at=now_ms, updated_at=now_ms))
+    if now_ms - first < budget_ms:
+        return NoChange("the revert's probe keeps failing; within its fifteen minutes")
+    reason = f"the revert's probe has failed for {(now_ms - first) // 60_000} minutes: {why}"
+    return msgspec.structs.replace(record, move=msgspec.structs.replace(
+        move, state="stuck", reason=reason, stuck_at=now_ms, updated_at=now_ms))
 
 
 __all__ = ["REVERTIBLE_CUT_PHASES", "REV_PHASES", "RevPhase", "RevertStep", "decide_rev_phase", "decide_revert",
-           "decide_stuck", "first_rev_phase", "plan_revert", "rev_phase", "verify_refused"]
+           "decide_revert_probe_failed", "decide_stuck", "first_rev_phase", "plan_revert", "rev_phase",
+           "verify_refused"]

@@ -19,12 +19,13 @@ from events.claim import Claim
 from events.record import Record
 from kernel.ports import blocking
 from services.box.artifacts.archive import plain_digest
-from services.box.instance.activator import Activator, Started
+from services.box.instance.activator import Activator, Started, StartFailed
 from services.box.instance.registry import Registry
 from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.finalize import Finalizer, StepReport
 from services.move.follow import claim_half
+from services.move.resolve import retry_skips_verify
 from services.move.stepping import until_still
 from services.source import revert
 from services.source.revert import RevertStep, RevPhase
@@ -63,6 +64,8 @@ class RevertRunner:
     cut: SourceWorker  # its stop_with_evidence is the evidence phase's stop
     final: Finalizer
     files_dir: Callable[[str], Path]
+    probe_budget_ms: int = 15 * 60 * 1000
+    """§7.4: fifteen minutes of failed probes are ``stuck``."""
 
     async def run(self, host: str, move_id: str, incarnation: str, *, max_steps: int = 12) -> RevertResult:
         return await until_still(lambda: self.step(host, move_id, incarnation),
@@ -90,6 +93,10 @@ class RevertRunner:
         if st.kind in ("probe", "open"):
             if host not in self.activator.running:  # a probe whose process is gone is restarted (§7.4, §7.7)
                 started = await self.activator.wake(host)
+                if isinstance(started, StartFailed):  # fifteen minutes of failed probes: stuck (§7.4)
+                    now, budget, why = self.ledger.clock.now_ms(), self.probe_budget_ms, started.reason
+                    await self.ledger.transition("record", host, "revert-probe-failed", lambda r: (
+                        revert.decide_revert_probe_failed(r, move_id, why, now, budget)))
                 if not isinstance(started, Started):
                     return RevertResult(st, False, f"the recovery probe did not start: {started.reason}")
             if st.kind == "probe":
@@ -114,7 +121,7 @@ class RevertRunner:
         if not self.registry.hold(host, "restoring", move_id):
             return RevertResult(st, False, f"the route of {host} is held by another operation")
         why = await unchanged_since_stop(record, self.files_dir(host), self.timers, host)
-        if why is not None:
+        if why is not None and not retry_skips_verify(record):  # an operator's --retry accepts them (§7.10)
             now = self.ledger.clock.now_ms()
             await self.ledger.transition("record", host, "revert-stuck",
                                          lambda r: revert.decide_stuck(r, move_id, f"the revert is stuck: {why}", now))

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import msgspec
 
 from events.claim import Claim
-from events.record import Move, MoveLanding, Record, Rollback
+from events.record import Move, MoveLanding, Record
 from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import live_move, step_allowed
+from services.move.rollback import new_rollback
 
 LANDING_PHASES: tuple[str, ...] = (
     "checking", "parking", "building", "published", "local", "configured", "restored", "probing", "probed",
@@ -185,11 +186,12 @@ def decide_opened(record: Record | None, expect: Expect, now_ms: int) -> Record 
 
 
 def decide_rollback(
-    record: Record | None, expect: Expect, reason: str, rollback_id: str, now_ms: int
+    record: Record | None, expect: Expect, reason: str, now_ms: int, release_ms: int = ROLLBACK_RELEASE_MS
 ) -> Record | NoChange | Refusal:
-    """A landing failure or ``landing_deadline`` (§7.8 triggers): the record CAS ``landing`` ->
-    ``rolling_back`` with ``rollback.id``, the reason and ``release_deadline = now + 15 min``. The commit
-    CASes the same field, so exactly one wins; a committed move is never rolled back here."""
+    """A landing failure (§7.8 triggers): the record CAS ``landing`` -> ``rolling_back`` with the move's rollback
+    id, the reason and ``release_deadline = now + 15 min``. The commit CASes the same field, so exactly one wins; a
+    committed move is never rolled back here. (``landing_deadline`` is the source's and the console's trigger too:
+    :func:`services.move.rollback.decide_deadline_rollback`.)"""
     move = _live(record, expect)
     if isinstance(move, Refusal):
         return move
@@ -200,11 +202,7 @@ def decide_rollback(
         return Refusal(f"the move is {move.state}; only a landing rolls back")
     if not reason:
         return Refusal("a rollback needs a reason")
-    rollback = Rollback(id=rollback_id, requested_at=now_ms, reason=reason,
-                        release_deadline=now_ms + ROLLBACK_RELEASE_MS)
-    new_move = msgspec.structs.replace(move, state="rolling_back", rollback=rollback, reason=reason,
-                                       updated_at=now_ms)
-    return msgspec.structs.replace(record, move=new_move)
+    return msgspec.structs.replace(record, move=new_rollback(move, reason, now_ms, release_ms))
 
 
 def decide_touch(claim: Claim | None, expect: Expect, region: str) -> Claim | NoChange | Refusal:

@@ -1,17 +1,29 @@
-"""The target's release in a rollback (spec §7.8 "Target release"): re-read, act, journal ``rollback.target_phase``
-(:mod:`services.move.rollback`). Nothing survives in memory: a restarted agent continues from the record, the
-claim and the box's actual process state (§7.13); the stop evidence is ``ReconstructStopEvidence`` (create-only,
-reused), the parks are the finalizer's (by exact versions, acknowledged after the horizon).
+"""The target's release in a rollback (spec §7.8 "Target release"; D§3.5): re-read, act, journal
+``rollback.target_phase`` (:mod:`services.move.rollback`). Nothing survives in memory: a restarted agent continues
+from the record, the claim and the box's actual process state (§7.13); the stop evidence is
+``ReconstructStopEvidence`` (create-only, reused), the return lane is rewritten by version and sealed only by the
+``returned`` CAS (:mod:`services.target.returning`), the parks are the finalizer's (by exact versions, acknowledged
+after the horizon).
+
+| phase     | effects (run when the journal names the phase)                                               |
+|-----------|----------------------------------------------------------------------------------------------|
+| releasing | row ``releasing`` (``hold_op`` = rollback id), the probe stopped, stop evidence; the verdict |
+| released  | the claim: exec -> none citing ``stopped-target.json`` with the target's parks (K3)          |
+| returning | dirty: the return lane in the source region's bucket                                         |
+| returned  | dirty: waits for the source's ``recovered_at``                                               |
+| cleaning  | parks its location and the forward lane, the local park, ``target_parked_at``                |
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from events.claim import Claim
 from kernel.ports import blocking
-from services.box.artifacts.archive import plain_digest
+from services.box.artifacts.archive import ArchiveError, plain_digest
 from services.box.instance.evidence import (
     Checkpoint,
     EvidenceFor,
@@ -21,15 +33,20 @@ from services.box.instance.evidence import (
     lease_file_check,
     reconstruct_stop_evidence,
 )
+from services.box.replica.install import InstallError
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.ledger.ledger import Committed, NoChange, Refusal
 from services.move import rollback
 from services.move.finalize import Finalizer, LocalRetire
 from services.move.stepping import RunnerResult, until_still
-from services.target.worker import LandingWorker
+from services.target.returning import ReturnFailed, ReturnLane, publish_return
+from services.target.worker import LandingFailure, LandingWorker, read_seal
 
 log = logging.getLogger("hostmove.target.release")
+
+NO_FILES = hashlib.sha256(b"").hexdigest()
+"""The files digest of a box that holds no files directory for the host (a landing stopped before ``local``)."""
 
 
 @dataclass
@@ -39,6 +56,8 @@ class TargetRelease:
     worker: LandingWorker
     final: Finalizer
     local: LocalRetire
+    lanes: Callable[[str], ReturnLane] | None = None
+    """A region's return lane (its store, bucket and public key), for a dirty release's ``returning``."""
 
     async def run(self, host: str, move_id: str, *, max_steps: int = 8) -> RunnerResult:
         return await until_still(lambda: self.step(host, move_id), RunnerResult(False, "no step taken"), max_steps)
@@ -63,19 +82,21 @@ class TargetRelease:
         if phase == "releasing":
             return await self._release(host, move_id, claim)
         if phase == "released":
-            if rb.dirty:
-                return await self._stuck(host, move_id, "the target's release is dirty")
             now = box.clock.now_ms()
             out = await ledger.transition("claim", host, "rollback-target-released", lambda c: (
                 rollback.decide_target_released(c, move_id, box.label, rb.evidence, region=box.region,
                                                 evidence_at=now)))
             if isinstance(out, Refusal):
                 return RunnerResult(False, out.reason)
-            if rb.recovered_at is None:
-                return RunnerResult(False, "waiting for the source to recover")
-            return self._outcome(await ledger.transition("record", host, "rollback-target-cleaning",
-                                                         lambda r: rollback.decide_target_phase(
-                                                             r, move_id, "released", "cleaning")))
+            if rb.dirty:  # §7.8 returning: the handoff back
+                return self._outcome(await ledger.transition("record", host, "rollback-target-returning",
+                                                             lambda r: rollback.decide_target_phase(
+                                                                 r, move_id, "released", "returning")))
+            return await self._clean_after(host, move_id, rb.recovered_at, "released")
+        if phase == "returning":
+            return await self._return(host, move_id, claim)
+        if phase == "returned":
+            return await self._clean_after(host, move_id, rb.recovered_at, "returned")
         if phase == "cleaning":
             report = await self.final.target_release_park(host, move_id, self.local)
             return RunnerResult(False, "" if report.done else report.reason, report)
@@ -105,9 +126,9 @@ class TargetRelease:
             n = replication_position(await list_generation(box.data_store, box.data_bucket, scope))
             return Checkpoint(n, file_sha256(db))
 
-        async def files() -> str:
+        async def files() -> str:  # a landing stopped before local installed none: the empty state's digest
             path = box.files_dir(host)
-            return (await blocking(plain_digest, path, None, host=host)).plain if path.exists() else ""
+            return (await blocking(plain_digest, path, None, host=host)).plain if path.exists() else NO_FILES
 
         async def timers() -> str:
             return box.timers.digest(host)
@@ -129,19 +150,42 @@ class TargetRelease:
         log.info("release of %s for %s: %s (%s)", host, rb.id, "dirty" if dirty else "clean", why)
         out = await box.ledger.transition("record", host, "rollback-target-released", lambda r: (
             rollback.decide_target_phase(r, move_id, "releasing", "released", dirty=dirty, evidence=ev.key)))
-        if dirty and isinstance(out, Committed):
-            return await self._stuck(host, move_id, why)
         return self._outcome(out)
 
-    async def _stuck(self, host: str, move_id: str, why: str) -> RunnerResult:
-        """A dirty release needs the return lane (§7.8 ``returning``), which is not built: ``stuck`` with the reason,
-        for an operator (§7.10). Nothing is lost by waiting: the target's database and the seal stay as they are."""
+    async def _clean_after(self, host: str, move_id: str, recovered_at: int | None, before: str) -> RunnerResult:
+        """``cleaning`` only after the source recorded ``recovered_at`` (§7.8): until then a source failure might
+        need the target's state again."""
+        if recovered_at is None:
+            return RunnerResult(False, "waiting for the source to recover")
+        return self._outcome(await self.worker.box.ledger.transition(
+            "record", host, "rollback-target-cleaning",
+            lambda r: rollback.decide_target_phase(r, move_id, before, "cleaning")))
+
+    async def _return(self, host: str, move_id: str, claim: Claim) -> RunnerResult:
+        """``returning``'s effects (§7.8, dirty only): the return lane in the source region's bucket, then
+        ``returned`` with its seal."""
         box = self.worker.box
-        reason = (f"the rollback cannot return the host by itself: {why}; returning the target's writes to the "
-                  "source (§7.8 returning) is not built, so an operator decides")
-        await box.ledger.transition("record", host, "rollback-stuck",
-                                    lambda r: rollback.decide_stuck(r, move_id, reason, box.clock.now_ms()))
-        return RunnerResult(False, reason, stuck=True)
+        record = (await box.ledger.read_record(host)).state
+        got = rollback.live_rollback(record, move_id)
+        if isinstance(got, Refusal):
+            return RunnerResult(False, got.reason)
+        move, rb = got
+        if self.lanes is None or claim.holder is None:
+            return RunnerResult(False, "this box cannot reach the source region's bucket to return the host")
+        try:
+            seal = read_seal(claim)
+            returned = await publish_return(box, self.lanes(move.from_), host, move, rb, seal,
+                                            claim.holder.location, claim.holder.generation)
+        except (LandingFailure, ReturnFailed, ArchiveError, InstallError, ValueError) as exc:
+            log.warning("the return of %s for %s waits: %s", host, rb.id, exc)
+            return RunnerResult(False, f"the return to {move.from_} could not be published: {exc}")
+        self._fault("returning:published")
+        return self._outcome(await box.ledger.transition("record", host, "rollback-target-returned", lambda r: (
+            rollback.decide_target_phase(r, move_id, "returning", "returned", seal=returned))))
+
+    def _fault(self, point: str) -> None:
+        if self.worker.faults is not None:
+            self.worker.faults(point)
 
     @staticmethod
     def _outcome(out: object) -> RunnerResult:

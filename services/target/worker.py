@@ -36,7 +36,6 @@ import msgspec
 from bus.log import LogError
 from events.base import canonical
 from events.claim import Claim
-from events.ids import new_op_id
 from events.record import Move, Record
 from kernel import rules
 from kernel.fsutil import atomic_write, fsync_dir
@@ -207,6 +206,8 @@ class TargetBox:
     tree: ProcessTree | None = None  # the box's process tree: a restarted landing drains what a dead one left
     instances: Instances = field(default_factory=Instances)
     """The box's one registry of running instances (the agent passes the activator's)."""
+    release_budget_ms: int = phases.ROLLBACK_RELEASE_MS
+    """A rollback's ``release_deadline`` from its CAS (§7.8: 15 min; the fast profile's is shorter)."""
 
     @property
     def data_dir(self) -> Path:
@@ -325,10 +326,11 @@ class LandingWorker:
 
     async def _rollback(self, host: str, expect: Expect, reason: str) -> Step:
         await self.stop_probe(host)
-        rb_id = new_op_id("rb", self.box.rng)
         now = self.box.clock.now_ms()
+        release_ms = self.box.release_budget_ms
         out = await self.box.ledger.transition(
-            "record", host, "landing-failed", lambda r: phases.decide_rollback(r, expect, reason, rb_id, now),
+            "record", host, "landing-failed",
+            lambda r: phases.decide_rollback(r, expect, reason, now, release_ms),
         )
         if isinstance(out, Committed):
             log.warning("landing %s %s rolls back: %s", host, expect.move_id, reason)
@@ -439,28 +441,8 @@ class LandingWorker:
         """Bucket-park whatever is at ``holder.location`` into ``superseded/<host>/<op>/`` (an earlier
         stay). The manifest (create-only) is written before any delete; a replay deletes its set."""
         assert claim.holder is not None
-        store, bucket = self.box.data_store, self.box.data_bucket
-        park = f"superseded/{quote(host, safe='.-_~@+')}/{move.id}/"
-        manifest_key = park + "manifest.json"
-        got = await store.get(bucket, manifest_key)
-        if isinstance(got, Got):
-            entries = msgspec.json.decode(got.body, type=list[VersionRef])
-        else:
-            location = claim.holder.location.rstrip("/") + "/"
-            versions = [v for v in await store.list_versions(bucket, location) if v.is_latest
-                        and not v.is_delete_marker]
-            if not versions:
-                return
-            entries = [VersionRef(v.key, v.version_id) for v in versions]
-            for ref in entries:
-                await store.copy(bucket, park + "objects/" + ref.key, src_bucket=bucket, src_key=ref.key,
-                                 src_version_id=ref.version_id)
-            await store.put(bucket, manifest_key, msgspec.json.encode(entries), if_none_match=True)
-            got = await store.get(bucket, manifest_key)
-            if isinstance(got, Got):
-                entries = msgspec.json.decode(got.body, type=list[VersionRef])
-        for ref in entries:
-            await store.delete(bucket, ref.key, version_id=ref.version_id)
+        await park_location(self.box.data_store, self.box.data_bucket, claim.holder.location,
+                            f"superseded/{quote(host, safe='.-_~@+')}/{move.id}/")
 
     def _build_db(self, host: str, move_id: str) -> Path:
         return self.box.journal_dir(host, move_id) / "build.db"
@@ -765,6 +747,31 @@ class LandingWorker:
         return 1
 
 
+async def park_location(store: ObjectStore, bucket: str, location: str, park: str) -> None:
+    """§7.6 ``parking`` (a landing's, and a dirty return's on the source, §7.8): copy every current version under
+    ``location`` into ``<park>objects/``, write ``<park>manifest.json`` (create-only) naming them, then delete
+    exactly those versions. A replay that finds the manifest deletes its set again; nothing else is touched."""
+    manifest_key = park + "manifest.json"
+    got = await store.get(bucket, manifest_key)
+    if isinstance(got, Got):
+        entries = msgspec.json.decode(got.body, type=list[VersionRef])
+    else:
+        prefix = location.rstrip("/") + "/"
+        versions = [v for v in await store.list_versions(bucket, prefix) if v.is_latest and not v.is_delete_marker]
+        if not versions:
+            return
+        entries = [VersionRef(v.key, v.version_id) for v in versions]
+        for ref in entries:
+            await store.copy(bucket, park + "objects/" + ref.key, src_bucket=bucket, src_key=ref.key,
+                             src_version_id=ref.version_id)
+        await store.put(bucket, manifest_key, msgspec.json.encode(entries), if_none_match=True)
+        got = await store.get(bucket, manifest_key)
+        if isinstance(got, Got):
+            entries = msgspec.json.decode(got.body, type=list[VersionRef])
+    for ref in entries:
+        await store.delete(bucket, ref.key, version_id=ref.version_id)
+
+
 def _check_db(path: Path) -> tuple[str, str]:
     """(sha256 of the database image, integrity_check): the install routine's measure (CheckDB)."""
     conn = sqlite3.connect(path, isolation_level=None)
@@ -777,6 +784,9 @@ def _check_db(path: Path) -> tuple[str, str]:
         conn.close()
     integrity = "ok" if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows)
     return hashlib.sha256(data).hexdigest(), integrity
+
+
+check_db = _check_db
 
 
 class _LocalJournal:

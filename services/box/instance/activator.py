@@ -100,6 +100,7 @@ from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.instance.registry import Registry, is_held
 from services.box.instance.sandbox import hand_over, instance_env
 from services.box.instance.stamps import StampBook, installation_artifacts
+from services.box.replica.install import read_install
 from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
@@ -466,9 +467,12 @@ class Activator:
 
     # -- the start --------------------------------------------------------------------------------
 
-    async def wake(self, host: str, *, coverage: str = "") -> Started | StartRefused | StartFailed:
+    async def wake(self, host: str, *, coverage: str = "", prepared: str = "") -> Started | StartRefused | StartFailed:
         """Start ``host`` on this box: admit, then up to five attempts under that session. ``coverage`` is the
-        admission's (§5.1 step 9): ``clean-return`` for a clean rollback's recovery probe (§7.8)."""
+        admission's (§5.1 step 9): ``clean-return`` for a clean rollback's recovery probe (§7.8). ``prepared`` names a
+        generation an install built on this box's region (a dirty rollback's ``g-<rb>``, §7.8, §7.14): the admission
+        is cold **into** it, covered by its seal (``sealed``: nothing is declared), opened once, and its
+        ``generation.json`` is published with the install's snapshot identity before the app starts."""
         if host in self.running:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
@@ -487,9 +491,13 @@ class Activator:
             # A stop whose final sync failed (an idle stop, a shutdown) left commits only on this disk: flush them
             # into the holder's generation before the admission's purge (§5.3 step 5), or they would be declared lost.
             flushed = await self.flush_orphan(host)
-            baseline, remote_max = await self._baseline(claim)
-            certified = await self._certified(claim, baseline, remote_max)
-            generation = "w" + self.ctx.rng.token_bytes(8).hex()
+            baseline: str | None
+            if prepared:
+                baseline, remote_max, certified, generation, coverage = prepared, 0, False, prepared, "sealed"
+            else:
+                baseline, remote_max = await self._baseline(claim)
+                certified = await self._certified(claim, baseline, remote_max)
+                generation = "w" + self.ctx.rng.token_bytes(8).hex()
             request = AdmitRequest(
                 box=self.ctx.label, region=self.ctx.region, observed_op_id=claim.op.id,
                 observed_phase=claim.op.phase, observed_kind=claim.op.kind,
@@ -510,15 +518,40 @@ class Activator:
                 await self._publish(admitted.state)
             g.claim = admitted.state
             self.ctx.stamps.init_record(g, self.ctx.label)
-            return await self._attempts(g, admitted.state, baseline)
+            if prepared:
+                refused = await self._publish_prepared(admitted.state, prepared)
+                if refused is not None:
+                    return StartFailed(host, refused, 0, False)
+            return await self._attempts(g, admitted.state, baseline, publish_files=not prepared)
 
-    async def _attempts(self, g: Guarded, claim: Claim, baseline: str | None) -> Started | StartFailed:
+    async def _publish_prepared(self, claim: Claim, prepared: str) -> str | None:
+        """``generation.json`` naming the prepared generation, with its install manifest's snapshot identity, after
+        the admission's CAS and before the app starts (§7.14; as the landing's probe does). Why not, or None."""
+        assert claim.holder is not None
+        holder, ctx = claim.holder, self.ctx
+        manifest = await read_install(ctx.data_store, ctx.data_bucket, holder.location, prepared)
+        if manifest is None:
+            return f"the prepared generation {prepared} has no completed install manifest"
+        current = await read_generation_marker(ctx.data_store, ctx.data_bucket, holder.location)
+        marker = GenerationMarker(
+            op=prepared, incarnation=holder.incarnation, host=claim.host, box=ctx.label,
+            installed_at=ctx.clock.now_ms(), manifest_sha256=hashlib.sha256(canonical(manifest)).hexdigest(),
+            snapshot_key=manifest.snapshot_key, snapshot_version=manifest.snapshot_version,
+            snapshot_txid=manifest.snapshot_txid, snapshot_crc64=manifest.snapshot_crc64)
+        published = await publish_generation_marker(ctx.data_store, ctx.data_bucket, holder.location, marker,
+                                                    current.etag)
+        return "generation.json changed under the admission" if isinstance(published, Lost) else None
+
+    async def _attempts(self, g: Guarded, claim: Claim, baseline: str | None, *, publish_files: bool = True
+                        ) -> Started | StartFailed:
+        """Up to five starts under the admitted session. ``publish_files`` False: the generation's files manifest is
+        the install's prepared one (a dirty return's ``g-<rb>``, §7.6 ``local``), never a session's."""
         assert claim.holder is not None
         host = g.host
         last_error = ""
         for attempt in range(1, self.policy.attempts + 1):
             try:
-                started = await self._start_once(claim, baseline)
+                started = await self._start_once(claim, baseline, publish_files=publish_files)
                 files_dir = self.ctx.files_dir(host)
                 if files_dir.exists():  # the carried files now belong to this installation (retag)
                     write_files_gen(files_dir, claim.holder.generation, claim.holder.incarnation)
@@ -541,7 +574,7 @@ class Activator:
             marked = self.ctx.registry.set_status(host, "failed")
         return StartFailed(host, last_error, self.policy.attempts, marked)
 
-    async def _start_once(self, claim: Claim, baseline: str | None) -> Started:
+    async def _start_once(self, claim: Claim, baseline: str | None, *, publish_files: bool = True) -> Started:
         holder = claim.holder
         assert holder is not None
         host, ctx = claim.host, self.ctx
@@ -568,7 +601,8 @@ class Activator:
         # The files manifest before the generation's first upload: a generation that holds data always has a
         # manifest to restore its files from after a lost disk (L17; the simulation's lost disk found a first wake
         # that died between its first upload and its manifest, which left the host unstartable for good).
-        await self._publish_files(claim)
+        if publish_files:
+            await self._publish_files(claim)
         replicator = await Replicator.open(ctx.data_store, ctx.data_bucket, holder.location, holder.generation, db,
                                            ctx.clock)
         try:
