@@ -285,7 +285,8 @@ class BoxAgent:
             return f"woke {host} (session {started.session}, generation {started.generation})"
         delay = min(held.delay_s * 2, self.timing.wake_backoff_max_s) if held else self.timing.retry_s
         self._held_off[host] = _HeldOff(self.clock.monotonic() + delay, delay)
-        log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason)
+        log.warning("%s not started on %s (next try in %.0f s): %s", host, self.label, delay, started.reason,
+                    extra=ctx(host=host, box=self.label, phase="wake", reason=started.reason, retry_in_s=delay))
         return f"{host} not started: {started.reason}"
 
     async def _clear_failed(self, host: str, claim: Claim) -> str:
@@ -377,7 +378,7 @@ class BoxAgent:
         try:
             specs = declared_timers(self.ctx.files_dir(host))
         except TimerError as exc:
-            log.warning("timers of %s not converged: %s", host, exc)
+            log.warning("timers of %s not converged: %s", host, exc, extra=ctx(host=host, box=self.label, reason=exc))
             return False
         if specs is None or sorted(specs, key=lambda t: t.name) == [r.spec for r in self.timers.list(host)]:
             return False
@@ -565,10 +566,11 @@ class BoxAgent:
             report, next_at = SweepReport(), now + self.timing.sweep_s
         except Exception as exc:  # noqa: BLE001 - logged, retried: every step of the sweep is idempotent
             log.warning("straggler sweep of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
-                        str(exc).splitlines()[0][:200] if str(exc) else "")
+                        str(exc).splitlines()[0][:200] if str(exc) else "",
+                        extra=ctx(host=host, box=self.label, phase="sweep", reason=exc))
             report, next_at = SweepReport(), now + self.timing.retry_s
         if report.did:
-            log.info("%s %s", host, report.did)
+            log.info("straggler sweep of %s: %s", host, report.did, extra=ctx(host=host, box=self.label, phase="sweep"))
         if report.wake_at is not None:
             next_at = min(next_at, now + max(0.0, (report.wake_at - self.clock.now_ms()) / 1000))
         self._sweep_next[host] = next_at
@@ -614,7 +616,8 @@ class BoxAgent:
         """Until ``stop``: scan, pass the dirty and the due hosts, sleep until the next wake."""
         adopted = await self.activator.adopt_running()
         for host in adopted:
-            log.info("stopped %s found running: a new agent is a new session", host)
+            log.info("stopped %s found running: a new agent is a new session", host,
+                     extra=ctx(host=host, box=self.label, phase="adopt"))
         asleep = self.sleep.hosts()
         if asleep:  # what the operator sees not running here, and why
             log.info("%d hosts asleep on %s until a request or a timer wakes them: %s", len(asleep), self.label,
@@ -636,7 +639,8 @@ class BoxAgent:
             try:
                 await self.run_timers()
             except Exception as exc:  # noqa: BLE001 - a timer stays due; the next tick delivers it
-                log.warning("timer run failed on %s: %s", self.label, type(exc).__name__)
+                log.warning("timer run failed on %s: %s", self.label, type(exc).__name__,
+                            extra=ctx(box=self.label, phase="timers", reason=exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.timing.timer_tick_s)
 
@@ -648,7 +652,8 @@ class BoxAgent:
                 try:
                     self._dirty |= await self.scan()
                 except Exception as exc:  # noqa: BLE001 - a read error never acts; scan again later
-                    log.warning("scan failed on %s: %s", self.label, type(exc).__name__)
+                    log.warning("scan failed on %s: %s", self.label, type(exc).__name__,
+                                extra=ctx(box=self.label, phase="scan", reason=exc))
                 next_scan = now + self.timing.scan_s
             due = {h for h, at in self._due.items() if at <= now}
             for h in due:
@@ -662,10 +667,11 @@ class BoxAgent:
                     result = await self.pass_host(host)
                 except Exception as exc:  # noqa: BLE001 - logged, retried: a pass is idempotent
                     log.warning("pass of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
-                                str(exc).splitlines()[0][:200] if str(exc) else "")
+                                str(exc).splitlines()[0][:200] if str(exc) else "",
+                                extra=ctx(host=host, box=self.label, reason=exc, error=type(exc).__name__))
                     result = PassResult(host, again_in_s=self.timing.retry_s)
                 for line in result.did:
-                    log.info("%s %s", host, line)
+                    log.info("%s: %s", host, line, extra=ctx(host=host, box=self.label, step=line))
                 self.publish_endpoint(host)
                 if result.again_in_s is not None:
                     at = self.clock.monotonic() + result.again_in_s

@@ -39,6 +39,7 @@ from events.claim import Claim
 from events.record import Move, Record
 from kernel import rules
 from kernel.fsutil import atomic_write, fsync_dir
+from kernel.logctx import ctx
 from kernel.ports import Clock, Random, blocking
 from services.box.artifacts.archive import ENV_NAME, FILES_ROOT, ArchiveError, extract
 from services.box.artifacts.filesmanifest import Binding, FilesManifestError, publish_manifest
@@ -180,7 +181,7 @@ class ProbeInstance:
             await self.instances.stop(self.instance.host)
         except Exception as exc:  # logged: the marker it left makes the next stop or wake flush what did not ship
             log.warning("final sync of the probe's session failed: %s", exc,
-                        extra={"host": self.instance.host, "reason": str(exc)})
+                        extra=ctx(host=self.instance.host, phase="probe", reason=exc))
 
 
 @dataclass
@@ -252,7 +253,8 @@ class LandingWorker:
             try:
                 await self.running.stop(host)
             except Exception as exc:  # logged: the marker it left makes the next stop or wake flush what did not ship
-                log.warning("final sync of the probe's session failed: %s", exc, extra={"host": host})
+                log.warning("final sync of the probe's session failed: %s", exc,
+                            extra=ctx(host=host, box=self.box.label, phase="probe", reason=exc))
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -312,7 +314,8 @@ class LandingWorker:
             lambda r: phases.decide_enter(r, expect, phase, clock.now_ms(), installed_db_sha256=installed_db_sha256),
         )
         if isinstance(out, Committed):
-            log.info("landing %s %s: journaled %s", host, expect.move_id, phase)
+            log.info("landing %s %s: journaled %s", host, expect.move_id, phase,
+                     extra=ctx(host=host, op_id=expect.move_id, box=self.box.label, phase="landing", step=phase))
             return Step(host, "advanced", phase)
         if isinstance(out, NoChange):
             return Step(host, "replayed", phase, out.reason)
@@ -322,7 +325,8 @@ class LandingWorker:
     async def _follow(self, host: str, record: Record) -> None:
         out = await self.box.ledger.transition("claim", host, "claim-follows-record", lambda c: claim_half(c, record))
         if isinstance(out, Refusal):
-            log.warning("claim of %s does not follow its record: %s", host, out.reason)
+            log.warning("claim of %s does not follow its record: %s", host, out.reason,
+                        extra=ctx(host=host, box=self.box.label, phase="landing", reason=out.reason))
 
     async def _rollback(self, host: str, expect: Expect, reason: str) -> Step:
         await self.stop_probe(host)
@@ -333,7 +337,8 @@ class LandingWorker:
             lambda r: phases.decide_rollback(r, expect, reason, now, release_ms),
         )
         if isinstance(out, Committed):
-            log.warning("landing %s %s rolls back: %s", host, expect.move_id, reason)
+            log.warning("landing %s %s rolls back: %s", host, expect.move_id, reason,
+                        extra=ctx(host=host, op_id=expect.move_id, box=self.box.label, phase="rollback", reason=reason))
             await self._follow(host, out.state)
             return Step(host, "rolled_back", "", reason)
         detail = out.reason if isinstance(out, NoChange | Refusal) else "another writer changed the record"
@@ -500,6 +505,7 @@ class LandingWorker:
                     os.rename(path, parked / path.name)
             fsync_dir(data)
             journal.mark("retired")
+        await self._tag_installation(host)
         if not journal.done("extracted"):
             archive_ref = seal.ref(host, move.id, "files/", "archive.sealed")
             manifest_ref = seal.ref(host, move.id, "files/", "manifest.json")
@@ -554,6 +560,19 @@ class LandingWorker:
         self.box.registry.set_carried(host, replication=move.source.replication, next_due=move.source.next_due)
         write_files_gen(files_dir, move.id, move.incarnation)
         fsync_dir(files_dir)
+
+    async def _tag_installation(self, host: str) -> None:
+        """Tag what this landing installs (the database, its WAL, SHM and ``.gen``, the files) with the stamp the
+        claim names, under the host guard (§6.4), before it exists: whichever way the landing ends (opened, then
+        moved away; or released by a rollback before or after its probe), the ``retire-installation`` of the local
+        park parks all of it, so no live copy stays on this box (§7.8 ``cleaning``, §7.9 step 3)."""
+        box = self.box
+        async with host_guard(box.box_dir, host, lambda: self._read_claim(host), clock=box.clock) as guarded:
+            holder = guarded.claim.holder if guarded.claim is not None else None
+            if holder is None:
+                raise LandingFailure("the claim names no holder; nothing is installed")
+            for name, path in installation_artifacts(box.db_path(host), box.files_dir(host)).items():
+                box.stamps.tag(guarded, holder.incarnation, name, path, holder.stamp)
 
     async def _get_version(self, ref: VersionRef) -> bytes:
         got = await self.box.data_store.get(self.box.data_bucket, ref.key, version_id=ref.version_id)
@@ -682,7 +701,8 @@ class LandingWorker:
         if isinstance(await publish_generation_marker(box.data_store, box.data_bucket, location, marker,
                                                       current.etag), Lost):
             raise LandingFailure("generation.json changed under the probe's admission")
-        log.info("landing %s %s: probe admitted into %s from %s", host, move.id, new_gen, base)
+        log.info("landing %s %s: probe admitted into %s from %s", host, move.id, new_gen, base,
+                 extra=ctx(host=host, op_id=move.id, box=box.label, phase="probe", generation=new_gen, base=base))
         await self._publish(host, out.state)
         return new_gen
 
