@@ -10,6 +10,10 @@ the checker keeps the latest claim and record per host and checks each ``(previo
   and ``landing_phase`` (§7.6) advance one step at a time along their machines; the only backward steps are the
   documented returns (``cutting`` at ``requested``/``admitted`` -> ``ready`` with ``cut_phase`` cleared, §7.4, T13).
   A close clears ``move`` into a ``last_move`` naming it, with the outcome its state allows (ruling M4).
+- ``rollback-phase``: a rollback appears only with the landing's CAS to ``rolling_back`` and keeps its id; its
+  ``target_phase`` and ``source_phase`` advance one step along §7.8's machines (clean or dirty), ``cleaning`` only
+  after ``recovered_at``; ``stuck`` is left only through the operator's retry (§7.10), to ``rolling_back`` (the
+  recovery back at ``probing`` or its install phase) or ``reverting``.
 - ``follows-record``: the claim halves of §7.5 (flip, commit, rollback) mirror a record transition already made.
 - ``k3-exec-none``: ``exec`` goes from a box to ``none`` only on stop evidence (the claim's journal cites it, or
   the record names ``move.source.evidence`` / ``move.rollback.evidence``), and only from a participant (§19.2 K3).
@@ -38,7 +42,7 @@ from events.record import Move, Record
 Severity = Literal["error", "notice"]
 Rule = Literal[
     "claim-kind", "move-state", "cut-phase", "landing-phase", "follows-record",
-    "k3-exec-none", "k4-exec-handoff", "k8-release",
+    "k3-exec-none", "k4-exec-handoff", "k8-release", "rollback-phase",
 ]
 
 NONE: Final = "none"
@@ -62,9 +66,9 @@ MOVE_STATE_EDGES: Final[dict[str, frozenset[str]]] = {
     "cutting": frozenset({"ready", "aborted", "landing", "reverting"}),  # T13 return, §7.11, the flip, §7.4
     "landing": frozenset({"committed", "rolling_back"}),  # §7.9 step 1, §7.8
     "committed": frozenset(),
-    "rolling_back": frozenset({"stuck"}),  # §7.8: nine failed recovery probes
-    "reverting": frozenset({"stuck"}),
-    "stuck": frozenset(),
+    "rolling_back": frozenset({"stuck"}),  # §7.8: nine failed recovery probes, a clean verify's mismatch
+    "reverting": frozenset({"stuck"}),  # §7.4: fifteen minutes of failed probes
+    "stuck": frozenset({"rolling_back", "reverting"}),  # §7.10: the operator's resolve --retry (retried_at)
     "aborted": frozenset(),
 }
 """``move.state`` edges (§7.2-§7.11; D§3.1). A state to itself is a step inside it."""
@@ -86,6 +90,16 @@ CUT_PHASES: Final = ("requested", "admitted", "stopping", "stopped", "staged", "
 LANDING_PHASES: Final = (
     "checking", "parking", "building", "published", "local", "configured", "restored", "probing", "probed",
 )
+TARGET_PHASES_CLEAN: Final = ("releasing", "released", "cleaning", "cleaned")
+TARGET_PHASES_DIRTY: Final = ("releasing", "released", "returning", "returned", "cleaning", "cleaned")
+SOURCE_PHASES_CLEAN: Final = ("waiting", "claimed", "restoring", "verified", "probing", "probed", "recovered", "opened")
+SOURCE_PHASES_DIRTY: Final = ("waiting", "claimed", "restoring", "parking", "building", "published", "local",
+                              "configured", "restored", "probing", "probed", "recovered", "opened")
+"""The rollback's two journals (§7.8; D§3.5, D§3.6), clean and dirty."""
+RETRY_SOURCE_PHASES: Final = frozenset({"probing", "parking", "building", "published", "local", "configured",
+                                        "restored"})
+"""Where the operator's retry of a stuck rollback puts its recovery (§7.10): its probe, or the install phase it
+stopped at (each replayable, §7.6)."""
 EVIDENCE_KEYS: Final = ("evidence.source", "evidence.target", "evidence")
 """Where a claim's op journal cites stop evidence (§5.3, K3, K4)."""
 
@@ -148,6 +162,21 @@ def _record_evidence(record: Record | None, op_id: str) -> str:
     if move.source.evidence:
         return move.source.evidence
     return move.rollback.evidence if move.rollback is not None else ""
+
+
+def _next(phases: tuple[str, ...], phase: str) -> str:
+    if phase == "":
+        return phases[0]
+    i = phases.index(phase) if phase in phases else len(phases)
+    return phases[i + 1] if i + 1 < len(phases) else ""
+
+
+def _next_target_phase(phase: str, dirty: bool) -> str:
+    return _next(TARGET_PHASES_DIRTY if dirty else TARGET_PHASES_CLEAN, phase)
+
+
+def _next_source_phase(phase: str, dirty: bool) -> str:
+    return _next(SOURCE_PHASES_DIRTY if dirty else SOURCE_PHASES_CLEAN, phase)
 
 
 def _phase_index(phases: tuple[str, ...], phase: str) -> int | None:
@@ -262,6 +291,7 @@ class ProtocolCheck:
                     f"that edge writes {attr} {want or '(none)'}")
         self._cut(before, after, bad)
         self._landing(before, after, bad)
+        self._rollback(before, after, bad)
 
     @staticmethod
     def _cut(before: Move, after: Move, bad: Callable[[Rule, str], None]) -> None:
@@ -286,6 +316,51 @@ class ProtocolCheck:
             bad("cut-phase", f"cut_phase flipped was written with the move {after.state}; the flip sets landing")
         elif p1 != "flipped" and after.state != "cutting":
             bad("cut-phase", f"cut_phase {p1} was written with the move {after.state}, not cutting")
+
+    @staticmethod
+    def _rollback(before: Move, after: Move, bad: Callable[[Rule, str], None]) -> None:
+        """``rollback-phase`` (§7.8, §7.10): a rollback appears only with ``landing -> rolling_back``, phases not
+        started, and keeps its id; ``target_phase`` and ``source_phase`` advance one step along their machines
+        (dirty through the return lane and the install, clean through ``released`` and ``verified``); ``cleaning``
+        only after ``recovered_at``; ``stuck`` leaves only through the operator's retry, to ``rolling_back`` for a
+        rollback (its recovery back at ``probing`` or the install phase it stopped at) or ``reverting`` for a revert."""
+        rb0, rb1 = before.rollback, after.rollback
+        if (before.state, after.state) == ("stuck", "rolling_back") or (before.state, after.state) == (
+                "stuck", "reverting"):
+            if after.retried_at is None or after.retried_at == before.retried_at:
+                bad("rollback-phase", f"the move left stuck for {after.state} without the operator's retry (§7.10)")
+            if (after.state == "rolling_back") != (rb1 is not None):
+                bad("rollback-phase", f"a stuck move went to {after.state}, but it "
+                    f"{'holds no' if rb1 is None else 'holds a'} rollback (§7.10)")
+        if rb1 is None:
+            if rb0 is not None:
+                bad("rollback-phase", f"rollback {rb0.id} vanished from the move")
+            return
+        if rb0 is None:
+            if (before.state, after.state) != ("landing", "rolling_back"):
+                bad("rollback-phase", f"rollback {rb1.id} appeared with the move {before.state} -> {after.state}; a "
+                    "rollback is the landing's CAS to rolling_back (§7.8)")
+            elif rb1.target_phase or rb1.source_phase:
+                bad("rollback-phase", f"rollback {rb1.id} appeared with its phases already started")
+            return
+        if rb0.id != rb1.id:
+            bad("rollback-phase", f"rollback {rb0.id} became {rb1.id}; a move rolls back once (§7.8)")
+            return
+        t0, t1 = rb0.target_phase, rb1.target_phase
+        if t0 != t1:
+            want = _next_target_phase(t0, rb1.dirty)
+            if t1 != want:
+                bad("rollback-phase", f"target_phase went {t0 or '(none)'} -> {t1}; after {t0 or '(none)'} a "
+                    f"{'dirty' if rb1.dirty else 'clean'} release journals {want or 'nothing'} (§7.8)")
+            elif t1 == "cleaning" and rb1.recovered_at is None:
+                bad("rollback-phase", "the target began cleaning before the source recorded recovered_at (§7.8)")
+        s0, s1 = rb0.source_phase, rb1.source_phase
+        if s0 != s1:
+            retried = before.state == "stuck" and after.state == "rolling_back"
+            want = _next_source_phase(s0, rb1.dirty)
+            if s1 != want and not (retried and s1 in RETRY_SOURCE_PHASES):
+                bad("rollback-phase", f"source_phase went {s0 or '(none)'} -> {s1}; after {s0 or '(none)'} a "
+                    f"{'dirty' if rb1.dirty else 'clean'} recovery journals {want or 'nothing'} (§7.8)")
 
     @staticmethod
     def _landing(before: Move, after: Move, bad: Callable[[Rule, str], None]) -> None:
