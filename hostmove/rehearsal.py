@@ -26,10 +26,11 @@ from moveprobe.acks import Ack, RowAck, TickAck, TimerAck, missing_from_db, read
 from services.objstore.port import ObjectStore
 
 ONCE_TIMER = "once"
-LIVE_EXEMPT = ("superseded/", "move-receipts/", "move-snapshots/")
+LIVE_EXEMPT = ("superseded/", "move-receipts/", "move-snapshots/", "retired/")
 """Where a region keeps retired copies, receipts and a completed move's snapshots on purpose (§6.4 parks, §7.3
 receipts, ruling K19 "F3's retention of snapshots covers completed moves"; all removed by the residency cleanup,
-§16 F3 after the hold of M7): not a live namespace."""
+§16 F3 after the hold of M7), and the manifests of what retention deleted from them (issue 16 item 7): not a live
+namespace."""
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
 from hostmove.probe_apps import post_write
 from moveprobe.acks import RowAck, missing_from_db, read_acks
-from services.box.instance.activator import Started, StartPolicy, certificate_key, certificates_enabled
+from services.box.instance.activator import (
+    Started,
+    StartPolicy,
+    certificate_key,
+    certificates_enabled,
+    remove_box_data,
+)
+from services.box.replica.restore import restore_generation
 from services.objstore.port import Got, StoreUnavailable
 from services.objstore.s3 import S3Store
 from tests.test_generations import World, setup_host, world  # noqa: F401 - the fixture
@@ -61,8 +69,8 @@ async def _retried_session(world: World, unique: Callable[[str], str], label: st
 
 async def test_a_retried_upload_keeps_its_session_uncertified(world: World, unique: Callable[[str], str]) -> None:
     """The first PUT never reached the server and its retry landed: one version where two requests were sent, so the
-    first one's outcome is unknown: the clean stop writes no certificate and the next admission declares the session,
-    naming the remote position."""
+    first one's outcome is unknown: the clean stop writes no certificate, and an admission that cannot flush the
+    session's disk again (lost) declares it, naming the remote position."""
     host, session, cert = await _retried_session(world, unique, "ie-r", landed=False)
     assert cert is None, "a session with an unsettled upload is never certified"
     claim = await world.claim(host)
@@ -71,9 +79,21 @@ async def test_a_retried_upload_keeps_its_session_uncertified(world: World, uniq
                                                                      session))
     assert not isinstance(got, Got)
     act = world.activators[-1]
+    remove_box_data(act.ctx)
     assert isinstance(await act.wake(host), Started)
     declared = (await world.claim(host)).holder.admissions[-1].writes_lost  # type: ignore[union-attr]
     assert declared is not None and declared.session == session and declared.remote_max_txid >= 1
+
+
+async def test_a_later_upload_of_the_range_settles_a_retried_one(world: World, unique: Callable[[str], str]) -> None:
+    """The same uncertain session, its disk intact: the next wake's flush uploads a full file covering the uncertain
+    range (a later successful upload of it, observed by version): the request in doubt can no longer replace anything
+    the restore takes, so the session is certified by the flush and nothing is declared."""
+    host, session, cert = await _retried_session(world, unique, "ie-q", landed=False)
+    assert cert is None
+    act = world.activators[-1]
+    assert isinstance(await act.wake(host), Started)
+    assert (await world.claim(host)).holder.admissions[-1].writes_lost is None  # type: ignore[union-attr]
 
 
 async def test_a_retry_settled_by_a_version_listing_certifies(world: World, unique: Callable[[str], str]) -> None:
@@ -172,3 +192,60 @@ async def test_with_certificates_off_every_predecessor_is_declared(world: World,
     assert isinstance(await act.wake(host), Started)
     declared = (await world.claim(host)).holder.admissions[-1].writes_lost  # type: ignore[union-attr]
     assert declared is not None and declared.box == "ie-p"
+
+
+class HeldPut:
+    """The dead process's request in flight: the first replica PUT is taken and held, to land only when released."""
+
+    def __init__(self, inner: S3Store) -> None:
+        self.inner = inner
+        self.held: tuple[str, str, bytes] | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def put(self, bucket: str, key: str, body: bytes, **kw: object) -> object:
+        if self.held is None and key.endswith(".ltx"):
+            self.held = (bucket, key, body)
+            await asyncio.Event().wait()  # never answered: the process dies with it in flight
+        return await self.inner.put(bucket, key, body, **kw)  # type: ignore[arg-type]
+
+
+async def test_a_late_upload_of_a_dead_process_lands_under_the_flush(world: World, unique: Callable[[str], str],
+                                                                     tmp_path: Path) -> None:
+    """The agent dies while a PUT of its session is in flight; the successor's flush covers that TXID range with a full
+    file, which settles the dead request (a later upload of the same range, observed by version) and certifies the
+    session; the dead request then lands, and a cold restore still holds every acknowledged write."""
+    ctx = world.box("ie-h")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    started = await act.wake(host)
+    assert isinstance(started, Started), started
+    inst = act.running[host]
+    held = HeldPut(world.store)
+    inst.replicator.store = held  # type: ignore[assignment]
+    seqs = [await asyncio.to_thread(post_write, started.port, f"h{j}") for j in range(4)]
+    for _ in range(100):
+        if held.held is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert held.held is not None and inst.replicator.uncertain, "the in-flight PUT is recorded before it is sent"
+    assert inst.task is not None
+    inst.task.cancel()  # the process dies with the request in flight
+    await asyncio.wait({inst.task})
+    await inst.replicator.close()
+    act.running.clear()
+    successor = world.activator(ctx)
+    assert await successor.adopt_running() == [host]
+    bucket, key, body = held.held
+    await world.store.put(bucket, key, body)  # the dead request lands after the flush
+    started = await successor.wake(host)
+    assert isinstance(started, Started), started
+    assert (await world.claim(host)).holder.admissions[-1].writes_lost is None  # type: ignore[union-attr]
+    scratch = tmp_path / "cold.db"
+    claim = await world.claim(host)
+    assert claim.holder is not None
+    await restore_generation(world.store, bucket, claim.holder.location, claim.holder.generation, scratch)
+    with sqlite3.connect(scratch) as conn:
+        have = {seq for (seq,) in conn.execute("SELECT seq FROM rows WHERE kind = 'write'")}
+    assert set(seqs) <= have, f"acknowledged writes missing: {sorted(set(seqs) - have)}"

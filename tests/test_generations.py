@@ -25,7 +25,8 @@ from bus.nats_log import NatsEventLog
 from bus.subjects import FACTS_STREAM, alert_subject
 from events import Actor, Claim
 from events.base import decode
-from events.claim import LostBox, Obligation, Op, Scope
+from events.claim import Admission, Holder, LostBox, Obligation, Op, Predecessor, Scope
+from events.envelope import EventMeta, Transition
 from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
@@ -39,9 +40,11 @@ from services.box.replica.layout import generation_prefixes
 from services.box.replica.restore import restore_generation
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
+from services.ledger.protocol import ProtocolCheck
 from services.move.park import FAST, Parker, destination
 from services.objstore.s3 import S3Store
 from services.sweeper.generations import GenerationParks, event_kind
+from services.sweeper.retention import RetentionSweep
 from tests.helpers.cgtest import TEST_DEPLOYMENT
 
 INC = "ef" * 32
@@ -303,3 +306,74 @@ async def test_a_covered_local_baseline_is_refused_with_an_alert(world: World, u
     alerts = [decode(m.data, Fact) async for m in world.events.replay(FACTS_STREAM,
                                                                       subject=alert_subject("baseline-refused"))]
     assert [a for a in alerts if a.subject == host], "the refusal is alerted"
+
+
+async def test_retention_deletes_old_archives_by_exact_versions(world: World, unique: Callable[[str], str]) -> None:
+    """Item 7: the parks' ``superseded/`` destinations and a move's ``move-snapshots/`` older than the retention are
+    deleted by exact versions, each with a manifest under ``retired/``; never one an obligation or the claim's
+    operation names; nothing of the live namespace is touched."""
+    ctx = world.box("ie-t")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    for _ in range(3):
+        assert isinstance(await act.wake(host), Started)
+        await act.stop(host)
+        await retire_all(world, ctx, host)
+    bucket = ctx.data_bucket
+    await world.store.put(bucket, f"move-snapshots/{host}/mv_old/archive.sealed", b"sealed")
+    archived = await world.store.list_versions(bucket, f"superseded/{host}/")
+    assert archived, "the parks archived what they retired"
+    claim = await world.claim(host)
+    assert claim.holder is not None
+    live = {(v.key, v.version_id) for v in await world.store.list_versions(bucket, claim.holder.location + "/")}
+    sweep = RetentionSweep("ie-t", "ie", world.store, bucket, WallClock(), retention_ms=60_000)
+    assert await sweep.look(host, claim, None, force=True) == [], "nothing is older than the retention yet"
+    sweep.retention_ms = 0
+    op = archived[0].key.split("/")[2]
+    named = msgspec.structs.replace(claim, obligations=(Obligation(kind=PARK_GENERATION, op=op, region="ie",
+                                                                   owner="ie-t"),))
+    done = await sweep.look(host, named, None, force=True)
+    left = await world.store.list_versions(bucket, f"superseded/{host}/")
+    assert left and all(v.key.split("/")[2] == op for v in left), "an entry an obligation names is kept"
+    assert any("move-snapshots" in line for line in done)
+    assert await sweep.look(host, claim, None, force=True)
+    assert await world.store.list_versions(bucket, f"superseded/{host}/") == []
+    assert await world.store.list_versions(bucket, f"move-snapshots/{host}/") == []
+    manifests = await world.store.list_keys(bucket, f"retired/{host}/")
+    assert len(manifests) == len({tuple(v.key.split("/")[2:4]) for v in archived}) + 1, manifests
+    after = {(v.key, v.version_id) for v in await world.store.list_versions(bucket, claim.holder.location + "/")}
+    assert after == live, "nothing of the live namespace is touched"
+
+
+def test_the_audit_flags_a_retirement_of_a_live_baseline() -> None:
+    """The protocol audit's ``baseline-live``: a park-generation queued for, or acknowledged over, the current
+    generation or an uncovered admission's baseline is a finding; one over a covered record's is not."""
+    holder = Holder(incarnation=INC, location=f"instances/h.example/{INC}", generation="g2", session=5, stamp=5,
+                    writer_box="ie-1", admissions=(
+                        Admission(session=4, box="ie-1", generation="g1", region="ie", covered=True,
+                                  predecessor=Predecessor(session=3, box="ie-1", generation="g0"),
+                                  predecessor_region="ie"),
+                        Admission(session=5, box="ie-1", generation="g2", region="ie", covered=False,
+                                  predecessor=Predecessor(session=4, box="ie-1", generation="g1"),
+                                  predecessor_region="ie")))
+    base = Claim(host="h.example", gen=5, holder=holder, op=Op(kind="serving", exec="ie-1", participants=("ie-1",)))
+
+    def chore(gen: str) -> Obligation:
+        return Obligation(kind=PARK_GENERATION, op="session:5", region="ie", owner="ie-1", generation=gen,
+                          scope=Scope(location=holder.location, incarnation=INC, evidence_at=1))
+
+    def findings(*claims: Claim) -> list[str]:
+        check = ProtocolCheck()
+        for seq, claim in enumerate(claims, 1):
+            meta = EventMeta(name="step", actor=Actor(service="t", pid=1, nonce="n"), at=seq)
+            stated = msgspec.structs.replace(claim, gen=base.gen + seq - 1)
+            check.feed(Transition(kind="rebase" if seq == 1 else "transition", object="claim", host="h.example",
+                                  gen=stated.gen, meta=meta, claim=stated), seq)
+        return [f.what for f in check.findings if f.rule == "baseline-live"]
+
+    ok = msgspec.structs.replace(base, obligations=(chore("g0"),))
+    assert findings(base, ok, base) == [], "the covered record's predecessor may be retired"
+    for live in ("g1", "g2"):  # the uncovered record's baseline; the current generation
+        queued = msgspec.structs.replace(base, obligations=(chore(live),))
+        found = findings(base, queued, base)
+        assert len(found) == 2 and "was queued" in found[0] and "was acknowledged" in found[1], found

@@ -20,12 +20,15 @@ import pytest
 import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
+from events.claim import Claim
 from events.ids import new_incarnation
 from hostmove.probe_apps import post_write
 from hostmove.rehearsal import ack_logs, checks
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from services.agent.service import read_endpoint
+from services.box.instance.coverage import MAX_ADMISSIONS
+from services.box.replica.layout import generation_prefixes
 from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -146,8 +149,32 @@ async def create(w: AgentWorld, host: str) -> None:
 
 
 async def audit_clean(w: AgentWorld, host: str) -> None:
+    await storage_settled(w, host)
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+async def storage_settled(w: AgentWorld, host: str) -> None:
+    """Bounded storage after the moves (issue 16 item 2): every chore acknowledged, every admission covered (the
+    commits' CoverRegionPredecessors, the publications, a return's birth under the target's park), at most eight
+    records, and in the serving region's bucket no generation of the location but the current one holds anything."""
+    async def settled() -> Claim | None:
+        claim = (await w.ledger.read_claim(host)).state
+        if claim is None or claim.holder is None or claim.obligations:
+            return None
+        return claim if all(a.covered for a in claim.holder.admissions) else None
+
+    try:
+        claim = await eventually(settled, f"the chores of {host} to finish and its admissions to be covered", 30)
+    except AssertionError:
+        raise AssertionError(f"not settled: {(await w.ledger.read_claim(host)).state}") from None
+    assert claim.holder is not None and len(claim.holder.admissions) <= MAX_ADMISSIONS
+    region = next(r for r, label in w.labels.items() if label == claim.op.exec)
+    location = claim.holder.location.rstrip("/") + "/"
+    keys = await w.store.list_keys(f"{w.prefix}-{region}", location)
+    current = generation_prefixes(location, claim.holder.generation)
+    stray = [k for k in keys if not k.startswith(current) and not k.endswith(("generation.json", "lock.json"))]
+    assert stray == [], f"objects of dead generations left in {region}: {stray[:5]}"
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -124,7 +124,7 @@ async def test_an_idle_host_sleeps_and_a_request_wakes_it(stack: StackInfo, uniq
         assert woke.returncode == 0, woke.stderr
         assert "is served on box" in woke.stdout, woke.stdout
         after = await claim_of(w, host)
-        assert after.holder is not None and after.holder.session == awake.holder.session + 1
+        assert after.holder is not None and after.holder.session > awake.holder.session
         admission = after.holder.admissions[-1]
         assert admission.writes_lost is None, "the certified idle stop declares no loss"
         new_port = await served(w, host, newer_than=awake.holder.session)

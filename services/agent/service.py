@@ -124,11 +124,14 @@ class AgentTiming:
     (the ``fast`` profile: the tests and the demo watch instances that must keep running)."""
     drain_s: float = 10.0
     """How long an idle stop waits for an in-flight timer delivery (§9.4 "Drained") before it tries again later."""
+    retention_ms: int | None = 5_000
+    """How long the parks' archives (``superseded/``, ``move-snapshots/``) are kept (:mod:`services.sweeper.retention`);
+    None: the deployment's ``HOSTMOVE_RETENTION_S``, seven days by default (the production profile)."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
-    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0)
+    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0, retention_ms=None)
 FAST_AGENT = AgentTiming()
 
 
@@ -201,7 +204,8 @@ class BoxAgent:
         self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
                                     self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
-            store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events)
+            store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
+            retention_ms=self.timing.retention_ms)
         self._sweep_next: dict[str, float] = {}
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
@@ -473,6 +477,7 @@ class BoxAgent:
             if chores is None:  # once a pass: the park-generation chores this box owes (§7.14 item 5), the alerts
                 chores = await self.sweeper.generations.run(host)
                 out.did += list(chores.did)
+                out.did += await self.sweeper.retention.look(host, claim, record)
                 await self.activator.flush_alerts()
             if claim.op.kind == "serving":
                 if claim.op.exec == self.label and CLEAR_FAILED in claim.op.journal:

@@ -22,6 +22,8 @@ the checker keeps the latest claim and record per host and checks each ``(previo
 - ``k8-release``: a release to ``serving`` from a move kind happens only when the latest record no longer carries
   the move and ``last_move`` names it, no obligation of the op remains on the claim, and the new ``exec`` is the
   executor ``last_move.outcome`` names (target after ``done``, source otherwise) (§19.2 K8, §7.5, ruling M4).
+- ``baseline-live``: no ``park-generation`` is queued for, or acknowledged over, the host's current generation or a
+  generation an uncovered admission's baseline names in the chore's region (§7.14 items 5, 6; issue 16 item 3).
 
 The stream orders events per subject; across the claim and the record it is the publish order, which a crash
 between a CAS and its publish can invert (the relay publishes the record late). So a claim event whose check needs
@@ -42,7 +44,7 @@ from events.record import Move, Record
 Severity = Literal["error", "notice"]
 Rule = Literal[
     "claim-kind", "move-state", "cut-phase", "landing-phase", "follows-record",
-    "k3-exec-none", "k4-exec-handoff", "k8-release", "rollback-phase",
+    "k3-exec-none", "k4-exec-handoff", "k8-release", "baseline-live", "rollback-phase",
 ]
 
 NONE: Final = "none"
@@ -147,6 +149,11 @@ def _cited(op: Op) -> str:
         if isinstance(value, str) and value:
             return value
     return ""
+
+
+def _origin(generation: str) -> str:
+    """``""`` and ``"@root"`` are one origin (§5.1 step 9)."""
+    return "" if generation in ("", "@root") else generation
 
 
 def _live(record: Record | None, op_id: str) -> Move | None:
@@ -392,6 +399,7 @@ class ProtocolCheck:
             if why is not None:
                 h.pending.append(_Pending(check, why, rule, seq, name, at))
 
+        self._retirements(old, new, bad)
         op0 = old.op if old is not None else Op()
         op1 = new.op
         k0, k1 = op0.kind, op1.kind
@@ -413,6 +421,34 @@ class ProtocolCheck:
         elif op0.exec != op1.exec and k0 == k1 and op0.exec != NONE and op1.exec != NONE:
             bad("k4-exec-handoff", f"exec moved directly from {op0.exec} to {op1.exec} under {k1}; never box to "
                 "box (K4)")
+
+    @staticmethod
+    def _retirements(old: Claim | None, new: Claim, bad: Callable[[Rule, str], None]) -> None:
+        """``baseline-live`` (§7.14 items 5, 6): a ``park-generation`` is never queued for, and never acknowledged
+        over, a generation that is the host's current one or the baseline (predecessor) of an uncovered admission in
+        its region, in the claim the chore is queued into or acknowledged from."""
+        def chores(c: Claim | None) -> set[tuple[str, str, str]]:
+            if c is None:
+                return set()
+            return {(o.op, o.region, o.generation) for o in c.obligations if o.kind == "park-generation"}
+
+        def live(c: Claim | None, region: str) -> set[str]:
+            if c is None or c.holder is None:
+                return set()
+            out = {_origin(c.holder.generation)}
+            out.update(_origin(a.predecessor.generation) for a in c.holder.admissions
+                       if not a.covered and a.predecessor is not None and a.predecessor_region == region)
+            return out
+
+        before, after = chores(old), chores(new)
+        for op, region, gen in sorted(after - before):
+            if _origin(gen) in live(new, region):
+                bad("baseline-live", f"park-generation of {gen or '@root'} in {region} was queued ({op}) while it is "
+                    "the current generation or an uncovered admission's baseline")
+        for op, region, gen in sorted(before - after):
+            if _origin(gen) in live(old, region):
+                bad("baseline-live", f"park-generation of {gen or '@root'} in {region} was acknowledged ({op}) while "
+                    "it is the current generation or an uncovered admission's baseline")
 
     @staticmethod
     def _follows(op0: Op, op1: Op, later: Callable[[Rule, Callable[[Record | None], str | None]], None]) -> None:

@@ -37,6 +37,7 @@ from services.box.instance.coverage import pending_generation_chores
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.park import Acknowledged, Parker, location_prefix
 from services.sweeper.generations import GenerationParks
+from services.sweeper.retention import RetentionSweep
 
 log = logging.getLogger("hostmove.sweeper")
 
@@ -136,11 +137,20 @@ class StragglerSweep:
     parker: Parker
     clock: Clock
     events: EventLog | None = None
+    retention_ms: int | None = None
+    """How long parks' archives are kept (:mod:`services.sweeper.retention`); None: the deployment's setting."""
     generations: GenerationParks = field(init=False)
     """The ``park-generation`` chores this box owns (:mod:`services.sweeper.generations`)."""
+    retention: RetentionSweep = field(init=False)
+    """The retention of ``superseded/`` and ``move-snapshots/`` in this box's bucket."""
 
     def __post_init__(self) -> None:
         self.generations = GenerationParks(self.box, self.region, self.ledger, self.parker, self.events)
+        self.retention = RetentionSweep(self.box, self.region, self.parker.store, self.parker.bucket, self.clock,
+                                        events=self.events, actor=self.ledger.actor)
+        if self.retention_ms is not None:
+            self.retention.retention_ms = self.retention_ms
+            self.retention.every_ms = max(min(self.retention_ms // 2, 60_000), 500)
 
     async def look(self, host: str, claim: Claim | None) -> SweepReport:
         """``claim``: the caller's fresh read (the agent's scan just read it); every write re-checks the claim it
@@ -149,6 +159,9 @@ class StragglerSweep:
         if pending_generation_chores(claim, self.box):
             chores = await self.generations.run(host)
             return SweepReport("; ".join(chores.did), chores.wake_at)
+        retired = await self.retention.look(host, claim, (await self.ledger.read_record(host)).state)
+        if retired:
+            return SweepReport("; ".join(retired))
         if not rules.on("straggler-sweep"):
             return SweepReport()
         ob = pending_sweep(claim, self.box, self.region)

@@ -101,11 +101,11 @@ from services.box.instance.registry import Registry, is_held
 from services.box.instance.sandbox import hand_over, instance_env
 from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.replica.install import read_install
-from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation
+from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation, parse_ltx_name
 from services.box.replica.planner import replication_position
 from services.box.replica.replicator import ReplicaOptions, Replicator
 from services.box.replica.restore import RestoreRefused, restore_generation
-from services.box.replica.uploads import uploads_path
+from services.box.replica.uploads import Uploads, uploads_path
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.objstore.port import Got, Lost, ObjectStore, StoreError
 
@@ -805,15 +805,25 @@ class Activator:
             if not (last_here and self.policy.certificates) or isinstance(await self.ctx.data_store.head(
                     self.ctx.data_bucket, certificate_key(holder.location, holder.generation, session)), Got):
                 return None
+        # What the dead process had in flight at level 0 may still land: the flush's full file covers those ranges
+        # too, so a late one is passed over by the restore, and is settled by this later upload of its range
+        in_flight = Uploads.open(db, holder.generation).level0_ranges()
+        cover = (min(r[0] for r in in_flight), max(r[1] for r in in_flight)) if in_flight else None
         rep = await Replicator.open(self.ctx.data_store, self.ctx.data_bucket, holder.location, holder.generation,
-                                    db, self.ctx.clock, options=ReplicaOptions(flush_first=True))
+                                    db, self.ctx.clock, options=ReplicaOptions(flush_first=True, cover=cover))
         try:
+            first = await rep.sync()
             while await rep.sync() is not None:
                 pass
             await rep.checkpoint("TRUNCATE")  # flushed: a replay of this stop finds an empty WAL and adds nothing
             flushed = not rep.pending
         finally:
             await rep.close()
+        if cover is not None and first is not None and first.full:
+            parsed = parse_ltx_name("/".join(first.key.split("/")[-2:]))
+            if parsed is not None:
+                await rep.uploads.supersede(self.ctx.data_store, self.ctx.data_bucket, first.key, first.version_id,
+                                            parsed[1], parsed[2])
         unshipped.unlink(missing_ok=True)
         log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
                  rep.position)

@@ -102,6 +102,10 @@ class ReplicaOptions:
     checkpoint_wait_ms: int = 1000
     """How long a checkpoint waits for the write lock before it is skipped (retried later)."""
     flush_first: bool = False
+    cover: tuple[int, int] | None = None
+    """The first full file covers this TXID range as well as the next one, ``[min(cover), max(position, max(cover)) +
+    1]`` at level 0: a dead writer's uploads of that range whose outcome is unknown can then land at their own keys
+    without replacing anything the restore takes (it prefers the file reaching the higher TXID; §5.1 step 4)."""
     """Upload the first full image even when nothing changed since this replicator opened: a final checkpoint
     on behalf of a writer process that is gone (§5.3 step 5), whose commits came before the open."""
 
@@ -231,6 +235,7 @@ class Replicator:
         self._uploaded_at: dict[str, int] = {}
         self._closed = False
         self.uploads = Uploads.open(self.db_path, scope.generation)
+        self._covered = False
         """The session's uncertain uploads (:mod:`.uploads`): durable, sticky until a listing observes them settled."""
 
     # ------------------------------------------------------------------------------------ open
@@ -551,6 +556,7 @@ class Replicator:
             self._epoch = p.epoch
         if p.full:
             self._need_full = False
+            self._covered = True
             self.stats.full_syncs += 1
         else:
             self.stats.incremental_syncs += 1
@@ -771,9 +777,12 @@ class Replicator:
     def _full_pending(self, image: _Image) -> _Pending | None:
         if not image.data:
             return None  # an empty database: nothing to ship until it has pages
-        txid = self._pos + 1
-        body, pages = self._encode_image(0, txid, txid, image)
-        return _Pending(txid, self.scope.ltx_key(0, txid, txid), body, image.epoch,
+        txid = lo = self._pos + 1
+        if self.options.cover is not None and not self._covered:
+            lo = min(lo, self.options.cover[0])
+            txid = max(txid, self.options.cover[1] + 1)
+        body, pages = self._encode_image(0, lo, txid, image)
+        return _Pending(txid, self.scope.ltx_key(0, lo, txid), body, image.epoch,
                         len(image.data) // image.page_size, image.page_size, pages, True)
 
     def _encode_image(self, level: int, min_txid: int, max_txid: int, image: _Image) -> tuple[bytes, int]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from kernel.fsutil import atomic_write
+from services.box.replica.layout import parse_ltx_name
 from services.objstore.port import ObjectStore
 
 
@@ -111,6 +112,32 @@ class Uploads:
                                                                       and latest.version_id == entry.won))
             if landed and ours:
                 del self.keys[key]
+        self._save()
+        return self.uncertain
+
+    def level0_ranges(self) -> list[tuple[int, int]]:
+        """The TXID ranges of the uncertain level-0 keys (a dead writer's uploads in flight)."""
+        out = []
+        for key in self.keys:
+            parsed = parse_ltx_name("/".join(key.split("/")[-2:]))
+            if parsed is not None and parsed[0] == 0:
+                out.append((parsed[1], parsed[2]))
+        return sorted(out)
+
+    async def supersede(self, store: ObjectStore, bucket: str, key: str, version_id: str | None, lo: int, hi: int
+                        ) -> list[str]:
+        """A later successful upload of the same range, observed by version: once ``key``'s latest version is
+        ``version_id`` (a full level-0 file ``[lo, hi]``), every uncertain level-0 key inside ``[lo, hi]`` is
+        settled, since whatever of it lands later is a file the restore passes over for this one (§5.1 step 4:
+        the file reaching the higher TXID wins). Answers the keys still uncertain."""
+        versions = [v for v in await store.list_versions(bucket, key) if v.key == key]
+        latest = next((v for v in versions if v.is_latest), None)
+        if latest is None or version_id is None or latest.version_id != version_id:
+            return self.uncertain
+        for k in list(self.keys):
+            parsed = parse_ltx_name("/".join(k.split("/")[-2:]))
+            if k != key and parsed is not None and parsed[0] == 0 and lo <= parsed[1] and parsed[2] <= hi:
+                del self.keys[k]
         self._save()
         return self.uncertain
 
