@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix
+.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ sim-sweep: $(STAMP)
 # The crash matrix at every named failpoint of a move (SIGKILL, restart, converge); `make test` runs a spread.
 crash-matrix: $(STAMP)
 	HOSTMOVE_CRASH_MATRIX=full $(BIN)/python -m pytest -q tests/test_crash_matrix.py
+
+# NATS and SeaweedFS each stopped for OUTAGE_S seconds during a move (`make test` runs 15 s outages).
+OUTAGE_S ?= 60
+outages: $(STAMP)
+	HOSTMOVE_OUTAGE_S=$(OUTAGE_S) $(BIN)/python -m pytest -q -s tests/test_outages.py -k outage_while
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

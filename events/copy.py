@@ -129,6 +129,12 @@ COPY: dict[str, Copy] = _table(
      "{host} runs on {box}, which was fenced (gone for good). It is being relocated to a replacement box in {region}; "
      "move it once it serves there."),
     ("M-R35", "door", "{box} was fenced (gone for good). Create {host} on a live box of {region}."),
+    ("M-R36", "door",
+     "The event stream (NATS) cannot be reached, so nothing was changed. Try again once it is back: the door "
+     "reconnects on its own."),
+    ("M-R37", "door",
+     "The object store (S3) did not answer about {what}. Try again once it is back: repeating the request is safe "
+     "and shows where it stands."),
     # -- the door's answers and status lines ------------------------------------------------------
     ("M-S1", "door", "Cut requested for {host}. The source starts it once its checks are fresh."),
     ("M-S2", "door",

@@ -219,7 +219,8 @@ async def _host(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from hostmove import serve
 
-    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port, label=args.label)
+    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port, label=args.label,
+                           health_port=args.health_port)
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("service", choices=SERVICES)
     sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")
     sv.add_argument("--label", default="", help="the box an agent acts for (serve box)")
+    sv.add_argument("--health-port", type=int, default=None,
+                    help="the /livez and /readyz port (default HOSTMOVE_HEALTH_PORT, else a free port, logged)")
     sub.add_parser("probe", help="run the object-store conformance probe")
     bx = sub.add_parser("box", help="set up a box")
     bx_sub = bx.add_subparsers(dest="box_action", required=True)

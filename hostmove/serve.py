@@ -2,6 +2,14 @@
 
 Every service starts by running the object-store conformance probe (exit 3 on a failing store).
 
+**Outages** (issue 11 item 3). Every service first starts its health server (:mod:`hostmove.health`: ``/livez``,
+``/readyz`` on ``--health-port`` / ``HOSTMOVE_HEALTH_PORT``, default a free port, logged; bound to
+``HOSTMOVE_HEALTH_BIND``, default 127.0.0.1), then waits for S3 and NATS as long as it takes (not ready meanwhile).
+Afterwards NATS reconnects forever on a capped backoff (:mod:`bus.nats_log`); a pass of the relay or the recovery
+that meets an unreachable NATS or S3 stops, is logged once per outage naming the dependency, and is tried again on a
+capped backoff (woken early when NATS comes back). Every position a service resumes from is durable (the store's
+objects, the projection's stored position), never memory.
+
 - ``relay``: republishes any claim or record whose latest gen is not on the stream (ARCHITECTURE §4),
   on a timer from the Clock port. Objects it cannot settle are logged as errors every pass.
 - ``projections``: the projector (snapshot and change feed in SQLite) and its HTTP read API.
@@ -22,13 +30,21 @@ import contextlib
 import logging
 import signal
 
+from bus.log import LogError, LogUnavailable
+from hostmove.health import Health, health_address
 from hostmove.logs import add_secret, configure_service
-from hostmove.runtime import Runtime, Settings, open_runtime
+from hostmove.runtime import Runtime, Settings, nats_check, open_runtime, s3_check
 from kernel.logctx import ctx
+from services.objstore.port import StoreError
 
 log = logging.getLogger("hostmove.serve")
 
 RELAY_INTERVAL_S = 5.0
+OUTAGE_BACKOFF_MIN_S = 0.5
+"""A pass stopped by an outage is tried again after this, doubling up to the service's interval."""
+PROJECTION_MAX_LAG = 1000
+"""The projections are ready while they are at most this many messages behind the ledger stream
+(``HOSTMOVE_PROJECTION_MAX_LAG``)."""
 
 
 def _stop_event() -> asyncio.Event:
@@ -40,30 +56,86 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
+class _Pace:
+    """A loop's sleep between passes: ``interval_s`` after a pass, a capped backoff after a pass an outage stopped
+    (logged once per outage, naming the dependency), cut short by ``stop`` or a NATS reconnect."""
+
+    def __init__(self, service: str, interval_s: float, stop: asyncio.Event, rt: Runtime) -> None:
+        self.service, self.interval_s, self.stop = service, interval_s, stop
+        self.failures = 0
+        self.down_since: float | None = None
+        self._wake = asyncio.Event()
+        rt.events.on_reconnect(self._wake.set)
+
+    def outage(self, dependency: str, reason: object) -> None:
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = asyncio.get_running_loop().time()
+            log.warning("%s: pass stopped, %s unreachable (%s); trying again on a capped backoff", self.service,
+                        dependency, reason, extra={"phase": self.service, "dependency": dependency,
+                                                   "reason": str(reason)})
+
+    def passed(self) -> None:
+        if self.down_since is not None:
+            log.warning("%s: passes run again after %.1f s", self.service,
+                        asyncio.get_running_loop().time() - self.down_since, extra={"phase": self.service})
+        self.failures, self.down_since = 0, None
+
+    async def sleep(self) -> None:
+        delay = self.interval_s if not self.failures else min(
+            self.interval_s, OUTAGE_BACKOFF_MIN_S * 2 ** min(self.failures - 1, 10))
+        self._wake.clear()
+        stopper = asyncio.ensure_future(self.stop.wait())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({stopper, woken}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            woken.cancel()
+
+
+def _dependency(exc: BaseException) -> str:
+    return "nats" if isinstance(exc, LogError) else "s3"
+
+
 async def _relay(rt: Runtime, stop: asyncio.Event) -> None:
     log.info("relay: settling every claim and record on the stream every %g s", RELAY_INTERVAL_S,
              extra=ctx(phase="relay"))
+    pace = _Pace("relay", RELAY_INTERVAL_S, stop, rt)
     while not stop.is_set():
-        failed = await rt.ledger.relay_all()
-        for line in failed:
-            log.error("relay could not settle %s", line, extra=ctx(phase="relay", reason=line))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), RELAY_INTERVAL_S)
+        try:
+            failed = await rt.ledger.relay_all()
+        except (LogUnavailable, StoreError) as exc:  # the pass stops; the next one starts from the store again
+            pace.outage(_dependency(exc), exc)
+        else:
+            pace.passed()
+            for line in failed:
+                log.error("relay could not settle %s", line, extra=ctx(phase="relay", reason=line))
+        await pace.sleep()
 
 
-async def _projections(rt: Runtime, stop: asyncio.Event, port: int) -> None:
-    from projections.api import make_app, serve
+async def _projections(rt: Runtime, stop: asyncio.Event, port: int, health: Health) -> None:
+    import os
+
+    from projections.api import PROJECTOR_STATE, make_app, readiness, serve
     from projections.runner import Projector
     from projections.store import ProjectionStore
 
+    max_lag = int(os.environ.get("HOSTMOVE_PROJECTION_MAX_LAG", "") or PROJECTION_MAX_LAG)
     store = ProjectionStore.open(rt.settings.root / "projections", rng=rt.rng, clock=rt.clock)
     projector = Projector(store, rt.events, clock=rt.clock)
-    runner = await serve(make_app(store, clock=rt.clock, projector=projector), port=port or 8080)
+    rt.events.on_reconnect(projector.notify)  # a catch-up backing off after an outage goes at once
+    app = make_app(store, clock=rt.clock, projector=projector)
+    health.check("projection", lambda: readiness(store, rt.events, app[PROJECTOR_STATE], max_lag=max_lag))
+    wake = await projector.wake_on(rt.events.nc)  # core NATS; nats-py subscribes it again after a reconnect
+    runner = await serve(app, port=port or 8080)
     log.info("projections: read API on http://127.0.0.1:%d/ (OpenAPI at /openapi.json)", port or 8080,
              extra=ctx(port=port or 8080))
     try:
         await stop.wait()
     finally:
+        with contextlib.suppress(Exception):
+            await wake.unsubscribe()
         await runner.cleanup()
         store.close()
 
@@ -76,14 +148,23 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
 
     recovery = RecoveryPass(rt.ledger, rt.events)
     log.info("recovery: a recovery pass every %g s", RECOVERY_INTERVAL_S, extra=ctx(phase="recovery"))
+    pace = _Pace("recovery", RECOVERY_INTERVAL_S, stop, rt)
     while not stop.is_set():
-        report = await recovery.run_once()
+        try:
+            report = await recovery.run_once()
+        except (LogUnavailable, StoreError) as exc:  # run_once reports outages itself; this is the belt
+            pace.outage(_dependency(exc), exc)
+            await pace.sleep()
+            continue
         for line in report.claim_halves + report.records_finished:
             log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
         for line in report.errors:
             log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), RECOVERY_INTERVAL_S)
+        if report.unavailable is not None:
+            pace.outage(*report.unavailable)
+        else:
+            pace.passed()
+        await pace.sleep()
 
 
 async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
@@ -174,7 +255,24 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     return 0
 
 
-async def run(service: str, settings: Settings, *, port: int = 0, label: str = "") -> int:
+async def _open(settings: Settings, service: str, label: str, health: Health, stop: asyncio.Event) -> Runtime | None:
+    """The runtime, waiting for S3 and NATS as long as it takes; None when stopped meanwhile."""
+    opening = asyncio.ensure_future(open_runtime(settings, service, box=label, wait=True, health=health))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({opening, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not opening.done():
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await opening
+        return None
+    return opening.result()
+
+
+async def run(service: str, settings: Settings, *, port: int = 0, label: str = "",
+              health_port: int | None = None) -> int:
     configure_service(service, box=label)  # every line this process writes is JSON from here (hostmove.logs)
     add_secret(settings.s3_secret_key)
     if service == "door":
@@ -188,21 +286,41 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
     if service == "box" and not label:
         log.error("hostmove serve box: name the box with --label")
         return 2
-    rt = await open_runtime(settings, service, box=label)
-    stop = _stop_event()
     try:
-        if service == "box":
-            return await _box_agent(rt, stop, label)
-        if service == "relay":
-            await _relay(rt, stop)
-        elif service == "projections":
-            await _projections(rt, stop, port)
-        elif service == "door":
-            await _door(rt, stop, port)
-        elif service == "recovery":
-            await _recovery(rt, stop)
+        bind, hport = health_address(health_port)
+    except ValueError as exc:
+        log.error("hostmove serve %s: %s", service, exc)
+        return 2
+    health = Health(f"{service} {label}" if label else service)
+    health.expect("s3", "nats", reason="connecting")
+    stop = _stop_event()
+    hport = await health.start(bind, hport)
+    log.info("%s: health on http://%s:%d/livez and /readyz", health.service, bind, hport,
+             extra={"health_port": hport, "health_bind": bind})
+    try:
+        rt = await _open(settings, service, label, health, stop)
+        if rt is None:
+            return 0
+        health.check("nats", lambda: nats_check(rt.events))
+        if service == "projections":
+            health.deps.pop("s3", None)  # read from the stream only, once started
         else:
-            raise ValueError(f"unknown service {service!r}")
+            health.check("s3", lambda: s3_check(rt.store, rt.settings.bucket))
+        try:
+            if service == "box":
+                return await _box_agent(rt, stop, label)
+            if service == "relay":
+                await _relay(rt, stop)
+            elif service == "projections":
+                await _projections(rt, stop, port, health)
+            elif service == "door":
+                await _door(rt, stop, port)
+            elif service == "recovery":
+                await _recovery(rt, stop)
+            else:
+                raise ValueError(f"unknown service {service!r}")
+        finally:
+            await rt.close()
     finally:
-        await rt.close()
+        await health.stop()
     return 0

@@ -20,6 +20,11 @@ whether the host exists. Tokens are checked by digest (:mod:`services.door.auth`
 :mod:`services.door.decide`. A refusal writes nothing. A read that fails never acts (C6): the answer
 is a 503 with a plain sentence.
 
+**Outages** (issue 11 item 3). A dependency that does not answer gets its own 503, naming it in ``dependency``
+with a ``Retry-After``: a write while NATS is unreachable is refused before anything is read or written
+(``nats``, M-R36: nothing was changed), and a request S3 does not answer is ``s3`` (M-R37). Neither is a refusal
+of the request; reads of the status go on while only NATS is down.
+
 **Not checked here (§7.1).** The box-side refusals, a refused registry column, a ``-sidecar.env``
 and a private store bound to the instance, live on the source box: they are the source's first step
 (later work) and every box step re-checks them; the door does not pretend to know them.
@@ -37,7 +42,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from bus.log import LogError
+from bus.log import LogError, LogUnavailable, require_available
 from events.base import decode
 from events.claim import Claim
 from events.copy import say
@@ -72,7 +77,7 @@ from services.door.decide import (
 from services.hosts.create import create_host
 from services.ledger.ledger import Committed, Conflict, Ledger, LedgerDefect, NoChange, Refusal
 from services.move.resolve import NotStuck, decide_clear_failed, decide_retry
-from services.objstore.port import Got, StoreError
+from services.objstore.port import Got, StoreError, StoreUnavailable
 
 log = logging.getLogger("hostmove.door")
 
@@ -83,10 +88,11 @@ _ENCODER = msgspec.json.Encoder()
 class Unreadable(Exception):
     """A read the door depends on failed or found a corrupt object: never act on it (C6)."""
 
-    def __init__(self, what: str, *, corrupt: bool) -> None:
+    def __init__(self, what: str, *, corrupt: bool, dependency: str | None = None) -> None:
         super().__init__(what)
         self.what = what
         self.corrupt = corrupt
+        self.dependency = dependency  # "nats" or "s3": the dependency did not answer (an outage, not this object)
 
 
 @contextmanager
@@ -98,8 +104,27 @@ def reading(what: str) -> Iterator[None]:
         raise Unreadable(what, corrupt=exc.code == "decode_failed") from exc
     except LedgerDefect as exc:
         raise Unreadable(what, corrupt=True) from exc
+    except LogUnavailable as exc:
+        raise Unreadable(what, corrupt=False, dependency="nats") from exc
+    except StoreUnavailable as exc:
+        raise Unreadable(what, corrupt=False, dependency="s3") from exc
     except (StoreError, LogError, OSError) as exc:
         raise Unreadable(what, corrupt=False) from exc
+
+
+RETRY_AFTER_S = 5
+"""The ``Retry-After`` of a dependency's 503."""
+
+
+def unavailable_answer(dependency: str, what: str) -> Answer:
+    """The 503 of a dependency that does not answer (``nats``: M-R36, ``s3``: M-R37)."""
+    reason = say("M-R36") if dependency == "nats" else say("M-R37", what=_lower_first(what))
+    return Answer(503, {"error": "unavailable", "dependency": dependency, "reason": reason,
+                        "copy": "M-R36" if dependency == "nats" else "M-R37"})
+
+
+def _lower_first(what: str) -> str:
+    return what[:1].lower() + what[1:]
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,12 @@ class Door:
 
     # -- reads ------------------------------------------------------------------------------------
 
+    def require_bus(self) -> None:
+        """Before a write: NATS answers (a write it cannot publish is refused before anything is read or written:
+        the door never commits an object its event cannot follow)."""
+        with reading("The event stream"):
+            require_available(self.ledger.events)
+
     async def roster(self) -> Roster:
         with reading("The roster (control/roster.json)"):
             roster, _ = await read_roster(self.ledger.store, self.ledger.bucket)
@@ -152,6 +183,7 @@ class Door:
     async def request_move(self, host: str, request: MoveRequest, who: Identity) -> Answer:
         """Claim first, then record (D§13 ambiguity 1). A retry of the same request after a crash
         between the two finishes the record; a retry after both answers the existing move."""
+        self.require_bus()
         roster = await self.roster()
         floor = await self.floor()
         record = await self.record(host)
@@ -209,6 +241,7 @@ class Door:
         self, host: str, name: str, decide: Callable[..., Record | NoChange | Refusal], who: Identity,
         copy_id: str, **kw: Any,
     ) -> Answer:
+        self.require_bus()
         claim = await self.claim(host)
         if claim is None:
             return refusal_answer(refuse(404, "M-R2", host=host))
@@ -245,6 +278,7 @@ class Door:
     async def resolve(self, host: str, who: Identity) -> Answer:
         """§7.10 ``resolve --retry`` (operator-only): a ``stuck`` move's recovery reruns its ``probing`` phase, a new
         admission (:func:`services.move.resolve.decide_retry`); refused with its sentence in every other state."""
+        self.require_bus()
         claim = await self.claim(host)
         if claim is None:
             return refusal_answer(refuse(404, "M-R2", host=host))
@@ -277,6 +311,7 @@ class Door:
     async def clear_failed(self, host: str, who: Identity) -> Answer:
         """``hostmove host resolve --clear-failed`` (operator-only): the serving box clears a route the retry policy
         marked failed (§5.1 step 9). Journaled on the claim; refused while a move or any operation holds the host."""
+        self.require_bus()
         claim = await self.claim(host)
         if claim is None:
             return refusal_answer(refuse(404, "M-R2", host=host))
@@ -318,6 +353,7 @@ class Door:
     async def create(self, host: str, box: str, who: Identity) -> Answer:
         """Create ``host`` on ``box`` with a fresh incarnation. A retry while the claim is still
         ``creating`` on the same box finishes that creation with its incarnation (C2)."""
+        self.require_bus()
         roster = await self.roster()
         entry = roster.box(box)
         if entry is None:
@@ -416,6 +452,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except _Refused as exc:
         return _json(refusal_answer(exc.refusal))
     except Unreadable as exc:
+        if exc.dependency is not None:
+            log.warning("door %s %s: %s unreachable (%s)", request.method, request.path, exc.dependency,
+                        exc.__cause__, extra={"dependency": exc.dependency, "reason": str(exc.__cause__),
+                                              "method": request.method, "path": request.path})
+            resp = _json(unavailable_answer(exc.dependency, exc.what))
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         log.error("door %s %s: %s unreadable (%s)", request.method, request.path, exc.what,
                   type(exc.__cause__).__name__, extra=ctx(host=request.match_info.get("host"),
                                                           reason=type(exc.__cause__).__name__,
@@ -437,6 +480,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status == 413:
             return _json(Answer(413, {"error": code, "reason": say("M-R33", limit=MAX_BODY), "copy": "M-R33"}))
         return _json(Answer(exc.status, {"error": code, "reason": exc.reason, "copy": ""}))
+    except (LogUnavailable, StoreUnavailable) as exc:  # an outage outside a named read
+        dependency = "nats" if isinstance(exc, LogUnavailable) else "s3"
+        log.warning("door %s %s: %s unreachable (%s)", request.method, request.path, dependency, exc,
+                    extra={"dependency": dependency, "reason": str(exc), "method": request.method,
+                           "path": request.path})
+        resp = _json(unavailable_answer(dependency, "this request"))
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
     except Exception:
         log.exception("door %s %s failed", request.method, request.path,
                       extra=ctx(host=request.match_info.get("host"), method=request.method, path=request.path))
@@ -579,7 +630,9 @@ _BEARER: list[dict[str, list[str]]] = [{"operator": []}]
 _HIDDEN = _resp("Error", "not found: an unknown path, or no valid token (the same answer either way, §12)")
 _BAD = _resp("Error", "bad input: the reason says what and why; nothing was written")
 _REFUSED = _resp("Error", "refused (§7.1): the reason is the operator's sentence; nothing was written")
-_UNAVAILABLE = _resp("Error", "a read failed or found a corrupt object; nothing was changed (C6)")
+_UNAVAILABLE = _resp("Error", "a read failed or found a corrupt object; nothing was changed (C6). When a dependency "
+                             "did not answer, ``dependency`` names it (nats: nothing was changed; s3: repeat the "
+                             "request) and ``Retry-After`` says when to try again")
 
 
 def _mutation(op_id: str, summary: str, ok: dict[str, Any], body: dict[str, Any] | None) -> dict[str, Any]:
@@ -756,7 +809,8 @@ def _schemas() -> dict[str, Any]:
         },
         "Error": {
             "type": "object",
-            "properties": {"error": {"type": "string"}, "reason": {"type": "string"}, "copy": {"type": "string"}},
+            "properties": {"error": {"type": "string"}, "reason": {"type": "string"}, "copy": {"type": "string"},
+                           "dependency": {"enum": ["nats", "s3"]}},
             "required": ["error", "reason", "copy"],
         },
         "Health": {

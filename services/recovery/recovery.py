@@ -18,6 +18,12 @@ For every host with a record, with no memory of its own:
   once while none is).
 
 It decides nothing the record has not decided: every write is conditional on the claim it read.
+
+An outage stops a pass without raising (issue 11 item 3): an unreachable NATS (:class:`~bus.log.LogUnavailable`),
+a listing S3 does not answer, or S3 failing :data:`UNAVAILABLE_IN_A_ROW` hosts in a row
+(:class:`~services.objstore.port.StoreUnavailable`) ends it with ``report.unavailable`` naming the dependency; the
+service backs off and the next pass starts from the store again (one object S3 keeps failing on is reported and
+passed over, as any read error).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 from bus.facts import Fact, publish_alert
-from bus.log import EventLog, LogError
+from bus.log import EventLog, LogError, LogUnavailable
 from events.claim import Claim
 from events.durable import DurableValueError
 from events.record import Record
@@ -39,13 +45,15 @@ from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import claim_half
 from services.move.incidents import incidents_owed, raise_owed
 from services.move.rollback import decide_deadline_rollback
-from services.objstore.port import StoreError
+from services.objstore.port import StoreError, StoreUnavailable
 from services.recovery.relocation import PINNING, decide_fence_host, decide_relocation_target
 from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.recovery")
 
 RECORDS_PREFIX = "control/records/"
+UNAVAILABLE_IN_A_ROW = 3
+"""Hosts in a row S3 did not answer for before a pass counts the store as down and stops."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class PassReport:
     records_finished: list[str] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    unavailable: tuple[str, str] | None = None
+    """``(dependency, reason)`` when an outage stopped the pass (``nats`` or ``s3``); the rest was not looked at."""
 
 
 class RecoveryPass:
@@ -106,12 +116,26 @@ class RecoveryPass:
         # for a host whose box the roster marks, and never listed.
         self._fenced = frozenset(b.label for b in self._roster.boxes if b.fenced_at is not None) \
             if self._roster is not None else frozenset()
-        for host in await self.hosts():
+        try:
+            hosts = await self.hosts()
+        except StoreError as exc:
+            report.unavailable = ("s3", f"the hosts could not be listed: {exc}")
+            return report
+        in_a_row = 0
+        for host in hosts:
             report.hosts += 1
             try:
                 await self._host(host, report)
+                in_a_row = 0
+            except LogUnavailable as exc:  # no transition can be published: the pass stops here
+                report.unavailable = ("nats", f"{host}: {exc}")
+                return report
             except (DurableValueError, StoreError, LogError) as exc:
                 # C6: a read error never acts. Report it and go on with the other hosts.
+                in_a_row = in_a_row + 1 if isinstance(exc, StoreUnavailable) else 0
+                if in_a_row >= UNAVAILABLE_IN_A_ROW:
+                    report.unavailable = ("s3", f"{host}: {exc}")
+                    return report
                 report.errors.append(f"{host}: {exc}")
                 log.error("recovery skipped %s: %s", host, exc, extra=ctx(host=host, phase="recovery", reason=exc))
         return report
