@@ -74,8 +74,19 @@ class Admission(Durable, frozen=True):
     additional_writes_lost: tuple[WriterRef, ...] = ()
 
 
+class AppRef(Durable, frozen=True):
+    """The app release an incarnation runs (issue 18): ``apps/<name>/releases/<release>.json`` in the deployment
+    bucket, whose bytes hash to ``digest`` (``sha256:<hex>``). Every start on every box renders from it."""
+
+    name: Ident
+    release: int
+    digest: str
+
+
 class Holder(Durable, frozen=True):
-    """The owning incarnation and its writer (C1, C3a). ``location`` is immutable while it holds."""
+    """The owning incarnation and its writer (C1, C3a). ``location`` is immutable while it holds; so is ``app``,
+    the release the incarnation was created with (None: a host created before app releases, or by a composition
+    that runs a fixed app)."""
 
     incarnation: Ident
     location: Ident
@@ -84,6 +95,7 @@ class Holder(Durable, frozen=True):
     session: int = 0
     writer_box: str = ""
     admissions: tuple[Admission, ...] = ()
+    app: AppRef | None = None
 
 
 class Op(Durable, frozen=True):

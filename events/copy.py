@@ -135,6 +135,9 @@ COPY: dict[str, Copy] = _table(
     ("M-R37", "door",
      "The object store (S3) did not answer about {what}. Try again once it is back: repeating the request is safe "
      "and shows where it stands."),
+    # -- apps and their releases (issue 18) ----------------------------------------------------------
+    ("M-R43", "door", "There is no app named {app}, so {host} was not created. Publish it with hostmove app publish."),
+    ("M-R44", "door", "{app} has no release {release} (its newest is {newest}). Nothing was changed."),
     # -- the door's answers and status lines ------------------------------------------------------
     ("M-S1", "door", "Cut requested for {host}. The source starts it once its checks are fresh."),
     ("M-S2", "door",

@@ -96,15 +96,20 @@ async def _box(args: argparse.Namespace) -> int:
         return await _box_wake(args)
     if args.box_action == "fence":
         return await _box_fence(args)
-    from services.box.roster import RosterRefusal, init_box
+    from services.box.roster import RosterRefusal, init_box, read_deployment_key
 
     settings = load_settings(Path(args.root))
     rt = await open_runtime(settings, "box-init", box=args.label)
     try:
+        published = await read_deployment_key(rt.store, settings.bucket)
+        if published is None:
+            print("box init refused: the deployment has no secrets key yet; run `hostmove deployment init` first "
+                  "(a box takes the deployment's key, it never makes one of its own)", file=sys.stderr)
+            return exitcodes.REFUSED
         init = await init_box(
             root=settings.root, label=args.label, region=args.region, store=rt.store, bucket=settings.bucket,
             events=rt.events, clock=rt.clock, actor=rt.actor,
-            secrets_key=Path(args.secrets_key) if args.secrets_key else None,
+            secrets_key=Path(args.secrets_key) if args.secrets_key else None, expect_fp=published.fp,
         )
     except RosterRefusal as exc:
         print(f"box init refused: {exc}", file=sys.stderr)
@@ -188,6 +193,7 @@ async def _host(args: argparse.Namespace) -> int:
 
         return await move_cli.run_host_resolve(args)
     from events.ids import new_incarnation
+    from services.apps.releases import ReleaseError, read_release
     from services.box.roster import read_roster
     from services.hosts.create import create_host
     from services.ledger import Refusal
@@ -205,14 +211,24 @@ async def _host(args: argparse.Namespace) -> int:
             print(f"{args.host} was not created: box {args.box} was fenced (gone for good); create it on a live box "
                   f"of {entry.region}.", file=sys.stderr)
             return exitcodes.REFUSED
+        if not args.app:
+            print(f"{args.host} was not created: name the app it runs with --app (hostmove app list)",
+                  file=sys.stderr)
+            return exitcodes.REFUSED
+        try:
+            _release, ref, _body = await read_release(rt.store, settings.bucket, args.app, args.release)
+        except ReleaseError as exc:
+            print(f"{args.host} was not created: {exc}", file=sys.stderr)
+            return exitcodes.REFUSED
         out = await create_host(rt.ledger, args.host, box=entry.label, region=entry.region,
-                                incarnation=new_incarnation(rt.rng), causation="cli:host-create")
+                                incarnation=new_incarnation(rt.rng), app=ref, causation="cli:host-create")
     finally:
         await rt.close()
     if isinstance(out, Refusal):
         print(f"{args.host} was not created: {out.reason}", file=sys.stderr)
         return exitcodes.REFUSED
-    print(f"{args.host} is serving on {entry.label} ({entry.region}), claim gen {out.state.gen}")
+    print(f"{args.host} is serving on {entry.label} ({entry.region}), running {ref.name}@{ref.release}, claim gen "
+          f"{out.state.gen}")
     return 0
 
 
@@ -256,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     bi = bx_sub.add_parser("init", help="create the box directory, hold the secrets key, join the roster")
     bi.add_argument("--label", required=True)
     bi.add_argument("--region", required=True)
-    bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: generated once")
+    bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: the one "
+                    "`hostmove deployment init` holds here; any other key is refused")
     bf = bx_sub.add_parser("fence", help="a box is gone for good: kill it, fence it, relocate its hosts")
     bf.add_argument("--label", required=True)
     bf.add_argument("--terminated", action="store_true", help="confirm: the box never comes back")
@@ -272,7 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     hc = hs_sub.add_parser("create", help="create a host on a box through its claim")
     hc.add_argument("host")
     hc.add_argument("--box", required=True)
+    hc.add_argument("--app", help="the app the host runs (hostmove app list); required")
+    hc.add_argument("--release", type=int, default=None, help="the app's release number (default: its newest)")
     move_cli.add_host_resolve(hs_sub)
+    from hostmove import app_cli
+
+    app_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
     return p
 
@@ -288,10 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
-        from hostmove import move_cli
+        from hostmove import app_cli, move_cli
 
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "box": _box,
-                  "host": _host, "move": move_cli.run}[args.command]
+                  "host": _host, "move": move_cli.run, "app": app_cli.run_app,
+                  "deployment": app_cli.run_deployment}[args.command]
         try:
             return asyncio.run(runner(args))
         except BaseException as exc:  # noqa: BLE001 - an outage is answered in the operator's words, never a trace

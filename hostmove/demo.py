@@ -30,6 +30,7 @@ from hostmove.runtime import Runtime, open_runtime, settings_from_stack
 from hostmove.stack import stack_up
 from projections.runner import Projector
 from projections.store import ChangesPage, ProjectionStore
+from services.box.deployment import init_deployment
 from services.box.roster import Roster, init_box, read_roster
 from services.ledger.audit import run_audit
 
@@ -127,6 +128,8 @@ async def run(root: Path) -> int:
                  f"`hostmove --root {root} stack down && rm -rf {root}` (the default: `make stack-down && rm -rf "
                  ".hostmove`), then run the demo again")
             return exitcodes.FAILED
+        key = await init_deployment(root=root, store=rt.store, bucket=rt.settings.bucket, clock=rt.clock)
+        _say(f"   the deployment's secrets key {key.key.fp[:19]}... and protocol floor {key.floor.min} are published")
         boxes = []
         for label, region, reused in choice.boxes:
             box = await init_box(root=root, label=label, region=region, store=rt.store, bucket=rt.settings.bucket,

@@ -4,9 +4,10 @@
 The console services (the door, the recovery pass) and one agent per box (``hostmove serve box``) run as their
 own OS processes, as in production; this process only acts as the operator and the dashboard:
 
-1. it creates ``moveprobe`` on ``ie-1`` through the door; the ``ie-1`` agent admits and starts it in a cgroup
-   v2 leaf, replicating into the ``ie`` bucket; it writes continuously (a background row every 0.2 s, its
-   schedule every 0.4 s, its once-timer due 4 s after its first boot) and takes 20 writes from us;
+1. it publishes ``moveprobe`` as an app release (issue 18: like any app) and creates a host running it on ``ie-1``
+   through the door; the ``ie-1`` agent renders the release, admits and starts it in a cgroup v2 leaf, replicating
+   into the ``ie`` bucket; it writes continuously (a background row every 0.2 s, its schedule every 0.4 s, its
+   once-timer due 4 s after its first boot) and takes 20 writes from us;
 2. it runs ``hostmove move --host H --to uk`` (the CLI, against the door's HTTP API) and shows its live
    progress: the agents do the rest on ledger events (rounds, cut, landing, probe, commit, open, parks, close);
 3. it prints the move's timings and the checks of §14.4 (:mod:`hostmove.rehearsal`).
@@ -32,8 +33,10 @@ from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
 from hostmove.runtime import Runtime
 from hostmove.stackinfo import StackInfo
 from kernel.ports import WallClock
+from moveprobe import RELEASE_MANIFEST
 from services.agent.config import region_bucket
 from services.agent.service import read_endpoint
+from services.apps.releases import load_manifest, publish
 from services.box.instance.proctree import CgroupTree
 from services.box.roster import BoxInit, ensure_deployment
 from services.door.auth import token_digest
@@ -97,7 +100,7 @@ async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out:
         await rt.store.create_bucket(region_bucket(box.region), versioned=True)
     token = rt.rng.token_bytes(32).hex()
     env = service_env(info, root=root, bucket=rt.settings.bucket, extra={
-        "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"demo={token_digest(token)}", **APP})
+        "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"demo={token_digest(token)}"})
     door_url = f"http://127.0.0.1:{free_port()}"
     logs = root / "logs"
     procs = [ServiceProc.serve("door", env, logs / "door.log", "--port", door_url.rsplit(":", 1)[1]),
@@ -122,7 +125,10 @@ async def _run(rt: Runtime, ie: BoxInit, uk: BoxInit, door_url: str, token: str,
         door = move_cli.DoorClient(move_cli.DoorConfig(door_url, token), session)
         await _door_up(door_url, door_proc)
         host = f"shop-{rt.rng.token_bytes(3).hex()}.example.com"
-        created = await door.create(host, ie.label)
+        manifest, files = load_manifest(RELEASE_MANIFEST, name="moveprobe", env=APP)  # an app like any other
+        release, ref = await publish(rt.store, rt.settings.bucket, manifest, files, clock=rt.clock, rng=rt.rng)
+        out(f"   published the sample app as release {release.label} ({ref.digest[:19]}...)")
+        created = await door.create(host, ie.label, app=release.name, release=release.release)
         if not created.ok:
             return move_cli.not_ok(created, sys.stderr), f"{host} was not created"
         port = await _until(lambda: read_endpoint(ie.box_dir, host), f"{host} serving on {ie.label}", 60)

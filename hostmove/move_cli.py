@@ -180,9 +180,14 @@ class DoorClient:
                              f"JSON; is {ENV_URL} the door's address?")
         return Reply(status, parsed)
 
-    async def create(self, host: str, box: str) -> Reply:
-        """``POST /v1/hosts/{host}/create``: set up a host on ``box`` (the demo's first step)."""
-        return await self._call("POST", f"{self.config.url}/v1/hosts/{quote(host, safe='')}/create", {"box": box})
+    async def create(self, host: str, box: str, app: str | None = None, release: int | None = None) -> Reply:
+        """``POST /v1/hosts/{host}/create``: set up a host on ``box`` running ``app`` (the demo's first step)."""
+        body: dict[str, object] = {"box": box}
+        if app is not None:
+            body["app"] = app
+        if release is not None:
+            body["release"] = release
+        return await self._call("POST", f"{self.config.url}/v1/hosts/{quote(host, safe='')}/create", body)
 
     async def request_move(self, host: str, to: str, cut: str) -> Reply:
         return await self._call("POST", self._path(host), {"to": to, "cut": cut})

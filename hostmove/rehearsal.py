@@ -170,10 +170,15 @@ async def no_live_copy(store: ObjectStore, bucket: str, host: str, *, local: Seq
 
 
 def ack_logs(acks_dir: Path, host: str, first: str, later: Mapping[str, str]) -> list[tuple[Path, str]]:
-    """The acknowledgement logs of ``host``'s instances with the box each ran on: the first box's
-    ``<host>.jsonl`` and each later box's ``<host>.<region>.jsonl`` (``later``: region -> box; the forked
-    worker's heartbeats beside them are not acknowledgements)."""
-    return [(acks_dir / f"{host}.jsonl", first), *((acks_dir / f"{host}.{r}.jsonl", b) for r, b in later.items())]
+    """The acknowledgement logs of ``host``'s instances with the box each ran on: each box's
+    ``<host>.<box>.jsonl`` (what the sample app's release names, ``{side_dir}/{host}.{box}.jsonl``), and, for a
+    composition that runs the app with its own paths, the first box's ``<host>.jsonl`` and each later box's
+    ``<host>.<region>.jsonl`` (``later``: region -> box; the forked worker's heartbeats beside them are not
+    acknowledgements). A log that does not exist holds nothing."""
+    logs = [(acks_dir / f"{host}.jsonl", first), *((acks_dir / f"{host}.{r}.jsonl", b) for r, b in later.items())]
+    for box in dict.fromkeys([first, *later.values()]):
+        logs.append((acks_dir / f"{host}.{box}.jsonl", box))
+    return logs
 
 
 async def last_move_state(events: EventLog, host: str, move_id: str) -> Move | None:

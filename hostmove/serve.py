@@ -183,10 +183,9 @@ async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
 async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     import os
 
-    from hostmove.probe_apps import ProbeApps
     from kernel.failpoints import Failpoints
     from kernel.timetext import utc_text
-    from services.agent.config import BoxConfigError, load_box, moveprobe_spec
+    from services.agent.config import BoxConfigError, load_box
     from services.agent.service import PROFILES, BoxAgent, idle_override
     from services.box.instance.agentcg import box_session
     from services.box.instance.proctree import CgroupTree
@@ -235,11 +234,9 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         await rt.store.create_bucket(cfg.data_bucket, versioned=True)
     faults = Failpoints.from_env()
     ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults)
-    with box_session(tree) as home:
-        apps = ProbeApps(home, cfg.acks_dir, region=cfg.region, tree=tree)
+    with box_session(tree):  # every start on this box renders its host's app release (issue 18)
         agent = BoxAgent(cfg, store=rt.store, bucket=rt.settings.bucket, events=rt.events, ledger=ledger,
-                         clock=rt.clock, rng=rt.rng, tree=tree, probe_factory=apps.factory, timing=timing,
-                         faults=faults, app=moveprobe_spec(cfg.acks_dir, tunables=os.environ))
+                         clock=rt.clock, rng=rt.rng, tree=tree, timing=timing, faults=faults)
         subs = await agent.wake_on(rt.events.nc)
         sleeps = "never" if timing.idle_s is None else f"after {timing.idle_s:g} s idle"
         log.info("box %s (%s): agent running, profile %s, hosts sleep %s", label, cfg.region, profile, sleeps,
@@ -251,7 +248,6 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             await agent.close()
-            await apps.stop_all()
     return 0
 
 

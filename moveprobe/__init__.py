@@ -42,12 +42,18 @@ Exit status: 0 after SIGTERM or SIGINT (WAL checkpointed), 2 bad configuration, 
 refused to start, 1 could not listen.
 """
 
+from pathlib import Path
+
 from moveprobe.acks import Ack, AckLogError, RowAck, TickAck, TimerAck, missing_from_db, read_acks
 from moveprobe.config import Config, ConfigError, load_config, probe_env
 from moveprobe.instance import Declared, decide_key, declared_timers
 from moveprobe.worker import Heartbeat, read_heartbeats
 
+RELEASE_MANIFEST = Path(__file__).with_name("release.toml")
+"""moveprobe's app release manifest (issue 18): published like any app, ``hostmove app publish --name moveprobe``."""
+
 __all__ = [
+    "RELEASE_MANIFEST",
     "Ack",
     "AckLogError",
     "Config",

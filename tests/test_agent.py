@@ -68,7 +68,7 @@ async def serving_port(w: AgentWorld, region: str, host: str, timeout_s: float =
 
 async def create_and_write(w: AgentWorld, host: str, writes: int = WRITES) -> list[int]:
     created = await create_host(w.ledger, host, box=w.labels["ie"], region="ie",
-                                incarnation=new_incarnation(SystemRandom()))
+                                incarnation=new_incarnation(SystemRandom()), app=w.app)
     assert isinstance(created, Committed), created
     port = await serving_port(w, "ie", host)
     return [await asyncio.to_thread(post_write, port, f"v{i}") for i in range(writes)]
@@ -225,7 +225,8 @@ async def test_a_runner_killed_after_a_delivery_repeats_it_once(stack: StackInfo
     async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
                            extra={"ie": {ENV: "timer:after_delivery@1"}}) as w:
         host = f"{unique('rpt')}.example.com"
-        await create_host(w.ledger, host, box=w.labels["ie"], region="ie", incarnation=new_incarnation(SystemRandom()))
+        await create_host(w.ledger, host, box=w.labels["ie"], region="ie", incarnation=new_incarnation(SystemRandom()),
+                          app=w.app)
         agent = w.agents["ie"]
 
         async def died() -> bool:

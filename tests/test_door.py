@@ -23,6 +23,7 @@ from events.record import LastMove, Move, Record
 from services.box.roster import Roster, RosterBox
 from services.door.auth import TokenConfigError, TokenSet, load_tokens, parse_entries, token_digest
 from services.door.decide import (
+    CreateRequest,
     DoorRefusal,
     Floor,
     MoveRequest,
@@ -164,7 +165,11 @@ def test_bad_move_bodies_are_refused_with_400(body: bytes, copy: str) -> None:
 def test_move_body_defaults_to_a_manual_cut() -> None:
     assert parse_move_request(b'{"to": "uk"}') == MoveRequest("uk", "manual")
     assert parse_move_request(b'{"to": "uk", "cut": "auto"}') == MoveRequest("uk", "auto")
-    assert parse_create_request(b'{"box": "ie-1"}') == "ie-1"
+    assert parse_create_request(b'{"box": "ie-1"}') == CreateRequest("ie-1")
+    assert parse_create_request(b'{"box": "ie-1", "app": "notes", "release": 2}') == CreateRequest("ie-1", "notes", 2)
+    refused(parse_create_request(b'{"box": "ie-1", "app": "Not An App"}'), 400, "M-R4")
+    refused(parse_create_request(b'{"box": "ie-1", "release": 2}'), 400, "M-R4")
+    refused(parse_create_request(b'{"box": "ie-1", "app": "notes", "release": 0}'), 400, "M-R4")
     refused(parse_create_request(b'{"box": ""}'), 400, "M-R4")
     refused(parse_create_request(b'{"label": "x"}'), 400, "M-R5")
     assert parse_empty(b"") is None and parse_empty(b" {} ") is None

@@ -1,26 +1,22 @@
 """What a box's agent is configured with (ARCHITECTURE §2, §9): its identity from ``hostmove box init``, the
-deployment's region buckets and key, and the instance it runs.
+deployment's region buckets and key.
 
-The embedded default runs the sample app ``moveprobe`` (spec §14.4) on every box; its acknowledged writes are
-logged under ``<root>/acks/`` so the demo and the tests can check that none is lost. The box facts for the
-readiness report (T1-T3, T7, T8, T11, T13) are the embedded default's: one protocol, the deployment's key, the
-spec's worked-example rates (§7.3 T11).
+What an instance runs is its host's app release (:mod:`services.apps`, issue 18): nothing here names an app. The
+box's side directory ``<root>/acks/`` (the release slot ``{side_dir}``) holds what an app keeps outside every
+instance (the sample app ``moveprobe`` logs its acknowledged writes there, so the demo and the tests can check that
+none is lost). A composition that runs one fixed app (the simulation) launches it with :func:`sample_launch`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from moveprobe.config import probe_env
 from services.box.artifacts.sealing import PrivateKey, load_private_key, secrets_key_fp
-from services.box.instance.activator import AppSpec
 from services.box.instance.timers import TimerError, TimerSpec
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
@@ -72,22 +68,6 @@ def load_box(root: Path, label: str) -> BoxConfig:
     return BoxConfig(root=root, label=label, region=str(identity["region"]), box_dir=box_dir)
 
 
-APP_TUNABLES = ("MOVEPROBE_INTERVAL_S", "MOVEPROBE_SCHEDULE_EVERY_S", "MOVEPROBE_ONCE_AFTER_S")
-"""The sample app's settings an agent passes on from its own environment: how often the background loop writes,
-the declared schedule's interval, and when the once-timer falls due after the first boot."""
-
-
-def moveprobe_spec(acks: Path, *, interval_s: float = 3600.0, tunables: Mapping[str, str] | None = None) -> AppSpec:
-    """The sample app as a box's instance: acknowledged writes logged to ``acks/<host>.jsonl``."""
-    passed = {k: v for k, v in (tunables or {}).items() if k in APP_TUNABLES}
-
-    def env(host: str, data_dir: Path, port: int, region: str) -> dict[str, str]:
-        return {**probe_env(data_dir=data_dir, host=host, region=region, ack_log=acks / f"{host}.jsonl", port=port,
-                            interval_s=interval_s), **passed}
-
-    return AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=20)
-
-
 class _Schedule(msgspec.Struct, frozen=True):
     name: str
     every_s: float
@@ -104,27 +84,34 @@ class _Declared(msgspec.Struct, frozen=True):
 
 
 TIMER_PATH = "/timers/{name}"
-"""Where the sample app takes a timer delivery (the box's runner fills in the name, §9.4)."""
+"""Where an app takes a timer delivery (the box's runner fills in the name, §9.4): the platform's contract with
+every app that declares timers."""
 
 
 def declared_timers(files_dir: Path) -> list[TimerSpec] | None:
-    """The timers the sample app declares in ``timers.json`` in its files directory (spec §14.4 "a declared
-    schedule and a once-timer"), as the box's timer specs; None when it has declared none yet. A declaration
-    that cannot be read raises :class:`TimerError` (a read error never acts)."""
+    """:func:`declared_timers_at` ``timers.json`` in ``files_dir`` (a fixed app's declaration)."""
+    return declared_timers_at(files_dir / "timers.json")
+
+
+def declared_timers_at(path: Path) -> list[TimerSpec] | None:
+    """The timers an app declares in the file its release names (``timers``, relative to the instance's
+    directory; spec §14.4 "a declared schedule and a once-timer"): ``{"schedules": [{"name", "every_s"}], "once":
+    [{"name", "due_at_ms"}]}``, as the box's timer specs; None when it has declared none yet. A declaration that
+    cannot be read raises :class:`TimerError` (a read error never acts)."""
     try:
-        raw = (files_dir / "timers.json").read_bytes()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
         declared = msgspec.json.decode(raw, type=_Declared)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TimerError(f"{files_dir / 'timers.json'} cannot be read: {exc}") from None
+        raise TimerError(f"{path} cannot be read: {exc}") from None
     return ([TimerSpec(name=s.name, every_ms=max(1, round(s.every_s * 1000))) for s in declared.schedules]
             + [TimerSpec(name=o.name, at_ms=o.due_at_ms) for o in declared.once])
 
 
 async def sample_launch(host: str) -> LaunchInputs:
-    """What the embedded default's next spawn gets (§7.3 launch report): no overlay, one bundle."""
+    """What a fixed app's next spawn gets (§7.3 launch report): no overlay, one bundle."""
     return LaunchInputs(env={"MOVEPROBE_HOST": host}, bundle_etags={"app": '"embedded"'}, release="embedded-1")
 
 

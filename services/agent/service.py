@@ -49,11 +49,13 @@ from services.agent.config import (
     TIMER_PATH,
     BoxConfig,
     declared_timers,
+    declared_timers_at,
     embedded_facts,
-    moveprobe_spec,
     region_bucket,
     sample_launch,
 )
+from services.apps.box import BoxApps
+from services.apps.releases import ReleaseBook
 from services.box.instance.activator import (
     SOURCE_SPAWNS_IN,
     Activator,
@@ -175,7 +177,7 @@ class BoxAgent:
     """One box's runtime and move workers (see the module doc)."""
 
     def __init__(self, cfg: BoxConfig, *, store: ObjectStore, bucket: str, events: EventLog, ledger: Ledger,
-                 clock: Clock, rng: Random, tree: ProcessTree, probe_factory: ProbeFactory,
+                 clock: Clock, rng: Random, tree: ProcessTree, probe_factory: ProbeFactory | None = None,
                  timing: AgentTiming | None = None, faults: Callable[[str], None] | None = None,
                  app: AppSpec | None = None) -> None:
         self.cfg, self.events, self.ledger, self.clock = cfg, events, ledger, clock
@@ -188,7 +190,15 @@ class BoxAgent:
         self.ctx = BoxContext(label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_bucket=cfg.data_bucket,
                               data_store=store, ledger=ledger, tree=tree, registry=self.registry,
                               stamps=self.stamps, clock=clock, rng=rng)
-        self.activator = Activator(self.ctx, app or moveprobe_spec(cfg.acks_dir))
+        # Every start renders the host's app release (issue 18), unless the composition runs one fixed app.
+        self.apps: BoxApps | None = None if app is not None else BoxApps(
+            label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, side_dir=cfg.acks_dir,
+            book=ReleaseBook(cfg.box_dir / "releases", store, bucket), read_claim=self._read_claim, secrets_key=key,
+            tree=tree)
+        self.activator = Activator(self.ctx, app if app is not None else self.apps)  # type: ignore[arg-type]
+        if probe_factory is None:
+            assert self.apps is not None, "a fixed app brings its own probe factory"
+            probe_factory = self.apps.probe_factory
         self.landing = LandingWorker(TargetBox(
             label=cfg.label, region=cfg.region, box_dir=cfg.box_dir, data_store=store, data_bucket=cfg.data_bucket,
             ledger=ledger, registry=self.registry, stamps=self.stamps, timers=self.timers, clock=clock, rng=rng,
@@ -199,7 +209,8 @@ class BoxAgent:
                                 regions=lambda region: (store, region_bucket(region)),
                                 region_key=lambda region: key.public_key(), events=events)
         self.source = SourceRunners(deployment, SourceSide(
-            ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key, launch=sample_launch,
+            ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key,
+            launch=self.apps.launch if self.apps is not None else sample_launch,
             ready_url=self._ready_url), self.timing.move, faults=faults)
         self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
                                     self.timing.move, faults=faults)
@@ -224,14 +235,24 @@ class BoxAgent:
     def label(self) -> str:
         return self.cfg.label
 
+    async def _read_claim(self, host: str) -> Claim | None:
+        return (await self.ledger.read_claim(host)).state
+
     @property
     def instances(self) -> Instances:
         """The box's one registry of running instances (the activator's and the landing's alike)."""
         return self.ctx.instances
 
     def _ready_url(self, host: str) -> str | None:
+        """The readiness URL of the instance running here: its release's ``ready_path`` (S1, §7.3)."""
         running = self.instances.serving(host)
-        return f"{running.url}/ready" if running is not None else None
+        if running is None:
+            return None
+        if self.apps is not None:
+            path = self.apps.ready_path(host)
+        else:
+            path = self.activator.app.ready_path if isinstance(self.activator.app, AppSpec) else "/ready"
+        return f"{running.url}{path}"
 
     def running(self, host: str) -> bool:
         return host in self.instances
@@ -380,7 +401,11 @@ class BoxAgent:
         if row is None or row.held:
             return False
         try:
-            specs = declared_timers(self.ctx.files_dir(host))
+            if self.apps is None:
+                specs = declared_timers(self.ctx.files_dir(host))
+            else:  # where the host's release says it declares them (none: nothing to converge)
+                path = self.apps.timers_path(host)
+                specs = declared_timers_at(path) if path is not None else None
         except TimerError as exc:
             log.warning("timers of %s not converged: %s", host, exc, extra=ctx(host=host, box=self.label, reason=exc))
             return False

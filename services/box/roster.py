@@ -33,11 +33,20 @@ from events.base import Durable, DurableValueError, Ident, Millis, canonical, ch
 from events.envelope import Actor
 from kernel.fsutil import atomic_write
 from kernel.ports import Clock, Random
-from services.box.artifacts.sealing import generate_private_key, load_private_key, save_private_key, secrets_key_fp
+from services.box.artifacts.sealing import (
+    PrivateKey,
+    SealError,
+    generate_private_key,
+    load_private_key,
+    public_key_pem,
+    save_private_key,
+    secrets_key_fp,
+)
 from services.objstore.port import Got, Lost, ObjectStore
 
 ROSTER_KEY = "control/roster.json"
 DEPLOYMENT_KEY = "control/deployment.json"
+DEPLOYMENT_SECRETS_KEY = "control/secrets-key.json"
 MOVES_PROTOCOL = 1
 _DEPLOYMENT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -176,17 +185,88 @@ def deployment_key_path(root: Path) -> Path:
     return root / "deployment" / "secrets.pem"
 
 
-def ensure_deployment_key(root: Path, source: Path | None = None) -> Path:
+def ensure_deployment_key(root: Path, source: Path | None = None, *, generate: bool = True) -> Path:
     """The deployment's secrets key for the embedded default: ``source`` if given, else the one under
-    ``<root>/deployment/``, generated once."""
+    ``<root>/deployment/``, generated once (unless ``generate`` is False: then a missing key is refused)."""
     if source is not None:
-        load_private_key(source)  # refuses a world-readable or malformed key
+        try:
+            load_private_key(source)  # refuses a world-readable or malformed key
+        except SealError as exc:
+            raise RosterRefusal(str(exc)) from None
         return source
     path = deployment_key_path(root)
     if not path.exists():
+        if not generate:
+            raise RosterRefusal(f"there is no deployment secrets key at {path}: pass the deployment's key with "
+                                "--secrets-key (a box never makes a key of its own)")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         save_private_key(generate_private_key(), path)
     return path
+
+
+class DeploymentKey(Durable, frozen=True):
+    """``control/secrets-key.json``: the deployment's secrets key as the console holds it (§10: the console computes
+    ``secrets_key_fp`` over ``CARLOS_SECRETS_PUBKEY``), published once, create-only, when the deployment is
+    initialized (:func:`publish_deployment_key`). T2 compares every box's roster ``secrets_key_fp`` with ``fp``;
+    releases seal their secrets to ``public_key``."""
+
+    __durable_root__: ClassVar[bool] = True
+
+    fp: str
+    public_key: bytes
+    """SubjectPublicKeyInfo PEM."""
+    published_at: Millis
+
+
+async def read_deployment_key(store: ObjectStore, bucket: str) -> DeploymentKey | None:
+    """The console's deployment key, or ``None`` before the deployment was initialized. A corrupt one raises."""
+    got = await store.get(bucket, DEPLOYMENT_SECRETS_KEY)
+    if not isinstance(got, Got):
+        return None
+    return decode(got.body, DeploymentKey)
+
+
+async def publish_deployment_key(store: ObjectStore, bucket: str, key: PrivateKey, clock: Clock) -> DeploymentKey:
+    """Publish the deployment's key once (If-None-Match). Publishing the same key again answers the published one;
+    another key is refused: the deployment's key is never replaced by a publication."""
+    fp = secrets_key_fp(key)
+    current = await read_deployment_key(store, bucket)
+    if current is None:
+        mint = DeploymentKey(fp=fp, public_key=public_key_pem(key), published_at=clock.now_ms())
+        result = await store.put(bucket, DEPLOYMENT_SECRETS_KEY, canonical(mint), if_none_match=True)
+        if not isinstance(result, Lost):
+            return mint
+        current = await read_deployment_key(store, bucket)
+        if current is None:
+            raise RosterRefusal(f"{DEPLOYMENT_SECRETS_KEY} was written but cannot be read back; try again")
+    if current.fp != fp:
+        raise RosterRefusal(f"the deployment already holds the secrets key {current.fp}; this key ({fp}) is not it")
+    return current
+
+
+def decide_publish_box(current: Roster | None, label: str, fp: str, protocol: int) -> Roster | None:
+    """A box's own publication at its agent's start (§10 "every box publishes", §11): its ``secrets_key_fp`` and
+    ``moves_protocol`` as it holds them now. None when nothing changed (or the box is not in the roster)."""
+    entry = current.box(label) if current is not None else None
+    if current is None or entry is None or entry.fenced_at is not None:
+        return None
+    if entry.secrets_key_fp == fp and entry.moves_protocol == protocol:
+        return None
+    fresh = msgspec.structs.replace(entry, secrets_key_fp=fp, moves_protocol=protocol)
+    return Roster(gen=current.gen + 1, boxes=tuple(fresh if b.label == label else b for b in current.boxes))
+
+
+async def publish_box(store: ObjectStore, bucket: str, label: str, fp: str, protocol: int = MOVES_PROTOCOL,
+                      attempts: int = 5) -> RosterBox | None:
+    """Write what :func:`decide_publish_box` decides (a CAS on the roster); answers the box's entry as it stands."""
+    for _ in range(attempts):
+        current, etag = await read_roster(store, bucket)
+        new = decide_publish_box(current, label, fp, protocol)
+        if new is None:
+            return current.box(label) if current is not None else None
+        if not isinstance(await store.put(bucket, ROSTER_KEY, canonical(new), if_match=etag), Lost):
+            return new.box(label)
+    raise RosterRefusal("the roster kept changing under this box's publication; try again")
 
 
 async def init_box(
@@ -200,17 +280,28 @@ async def init_box(
     clock: Clock,
     actor: Actor,
     secrets_key: Path | None = None,
+    expect_fp: str | None = None,
 ) -> BoxInit:
-    """Create the box directory, hold the secrets key (0600) and register the box in the roster."""
+    """Create the box directory, hold the secrets key (0600) and register the box in the roster.
+
+    With ``expect_fp`` (``hostmove box init``: the fingerprint the console published, :func:`read_deployment_key`)
+    the key must be the deployment's: a missing key is never generated and another key is refused; a box that held
+    another key is given the deployment's. Without it (an embedded composition), the deployment key under
+    ``root`` is used, generated once."""
     validate_ident(label, "box label")
     validate_ident(region, "region")
     if "/" in label or label.startswith("."):
         raise RosterRefusal("a box label cannot contain '/' or start with '.'")
-    key_path = ensure_deployment_key(root, secrets_key)
+    key_path = ensure_deployment_key(root, secrets_key, generate=expect_fp is None)
+    if expect_fp is not None:
+        given = secrets_key_fp(load_private_key(key_path))
+        if given != expect_fp:
+            raise RosterRefusal(f"the key {key_path} ({given}) is not the deployment's secrets key ({expect_fp}); "
+                                "pass the deployment's key with --secrets-key")
     box_dir = root / "boxes" / label
     box_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     held = box_dir / "secrets.pem"
-    if not held.exists():
+    if not held.exists() or (expect_fp is not None and secrets_key_fp(load_private_key(held)) != expect_fp):
         atomic_write(held, key_path.read_bytes(), mode=0o600)
     fp = secrets_key_fp(load_private_key(held))
     identity = {"label": label, "region": region}

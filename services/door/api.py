@@ -44,16 +44,18 @@ from aiohttp import web
 
 from bus.log import LogError, LogUnavailable, require_available
 from events.base import decode
-from events.claim import Claim
+from events.claim import AppRef, Claim
 from events.copy import say
 from events.durable import DurableValueError
 from events.ids import new_incarnation, new_op_id
 from events.record import Record
 from kernel.logctx import ctx
 from kernel.ports import Clock, Random
+from services.apps.releases import ReleaseError, list_releases, read_release
 from services.box.roster import Roster, read_roster
 from services.door.auth import Identity, TokenSet
 from services.door.decide import (
+    APP_PATTERN,
     CONSOLE_PROTOCOL,
     FLOOR_KEY,
     NAME_PATTERN,
@@ -350,9 +352,11 @@ class Door:
 
     # -- create -----------------------------------------------------------------------------------
 
-    async def create(self, host: str, box: str, who: Identity) -> Answer:
-        """Create ``host`` on ``box`` with a fresh incarnation. A retry while the claim is still
-        ``creating`` on the same box finishes that creation with its incarnation (C2)."""
+    async def create(self, host: str, box: str, who: Identity, *, app: str | None = None,
+                     release: int | None = None) -> Answer:
+        """Create ``host`` on ``box`` with a fresh incarnation, running release ``release`` (the newest when None)
+        of ``app`` (issue 18). A retry while the claim is still ``creating`` on the same box finishes that creation
+        with its incarnation (C2)."""
         self.require_bus()
         roster = await self.roster()
         entry = roster.box(box)
@@ -360,6 +364,18 @@ class Door:
             return refusal_answer(refuse(409, "M-R23", box=box))
         if entry.fenced_at is not None:
             return refusal_answer(refuse(409, "M-R35", box=box, host=host, region=entry.region))
+        ref: AppRef | None = None
+        if app is not None:
+            with reading(f"The releases of {app}"):
+                numbers = (await list_releases(self.ledger.store, self.ledger.bucket, app)).get(app, [])
+                if not numbers:
+                    return refusal_answer(refuse(409, "M-R43", app=app, host=host))
+                if release is not None and release not in numbers:
+                    return refusal_answer(refuse(409, "M-R44", app=app, release=release, newest=numbers[-1]))
+                try:
+                    _r, ref, _body = await read_release(self.ledger.store, self.ledger.bucket, app, release)
+                except ReleaseError as exc:
+                    return refusal_answer(refuse(409, "M-R25", host=host, reason=str(exc)))
         claim = await self.claim(host)
         incarnation = new_incarnation(self.rng)
         if claim is not None:
@@ -370,7 +386,7 @@ class Door:
                 return refusal_answer(refuse(409, "M-R24", host=host, kind=claim.op.kind))
         with reading(f"The claim of {host}"):
             out = await create_host(self.ledger, host, box=box, region=entry.region, incarnation=incarnation,
-                                    causation=f"door: operator {who.label}")
+                                    app=ref, causation=f"door: operator {who.label}")
         if isinstance(out, Refusal):
             return refusal_answer(refuse(409, "M-R25", host=host, reason=out.reason))
         log.info("host %s created on box %s (%s, operator %s)", host, box, entry.region, who.label,
@@ -558,10 +574,10 @@ async def post_create(request: web.Request) -> web.Response:
     who = _who(request, operator=True)
     host = _host(request)
     _query(request, ())
-    box = parse_create_request(await _body(request))
-    if isinstance(box, DoorRefusal):
-        raise _Refused(box)
-    return _json(await request.app[DOOR].create(host, box, who))
+    create = parse_create_request(await _body(request))
+    if isinstance(create, DoorRefusal):
+        raise _Refused(create)
+    return _json(await request.app[DOOR].create(host, create.box, who, app=create.app, release=create.release))
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -780,7 +796,11 @@ def _schemas() -> dict[str, Any]:
         "CreateRequest": {
             "type": "object", "additionalProperties": False, "required": ["box"],
             "properties": {"box": {"type": "string", "pattern": NAME_PATTERN,
-                                   "description": "a box label in the roster"}},
+                                   "description": "a box label in the roster"},
+                           "app": {"type": "string", "pattern": APP_PATTERN,
+                                   "description": "the app the host runs (a published release, issue 18)"},
+                           "release": {"type": "integer", "minimum": 1,
+                                       "description": "the app's release number (default: its newest)"}},
         },
         "Move": move,
         "ClaimOp": claim,

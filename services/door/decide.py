@@ -39,7 +39,7 @@ DEFAULT_CUT: CutMode = "manual"
 """Ruling M6: person-started moves cut automatically from the CLI, but the API default stays manual."""
 
 MOVE_FIELDS = ("to", "cut")
-CREATE_FIELDS = ("box",)
+CREATE_FIELDS = ("box", "app", "release")
 ABORTABLE = ("preparing", "ready")
 """§7.11: abort is legal in ``preparing``, ``ready`` and ``cutting`` at ``cut_phase = requested``."""
 
@@ -183,8 +183,22 @@ def parse_move_request(body: bytes) -> MoveRequest | DoorRefusal:
     return MoveRequest(to=to, cut=cut)
 
 
-def parse_create_request(body: bytes) -> str | DoorRefusal:
-    """``{"box": <label>}``: the box the new host is created on."""
+@dataclass(frozen=True)
+class CreateRequest:
+    """``{"box": <label>, "app": <name>, "release": <n>}``: the box the new host is created on and the app release
+    it runs (issue 18; ``release`` defaults to the app's newest)."""
+
+    box: str
+    app: str | None = None
+    release: int | None = None
+
+
+APP_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_APP_RE = re.compile(APP_PATTERN)
+
+
+def parse_create_request(body: bytes) -> CreateRequest | DoorRefusal:
+    """The create request (:class:`CreateRequest`)."""
     value = _object(body, CREATE_FIELDS, empty_ok=False)
     if isinstance(value, DoorRefusal):
         return value
@@ -193,7 +207,14 @@ def parse_create_request(body: bytes) -> str | DoorRefusal:
         return refuse(400, "M-R6", field="box (the box label to create the host on)")
     if not isinstance(box, str) or not _REGION_RE.match(box):
         return refuse(400, "M-R4", reason=f"box must be a box label, not {echo(box)}")
-    return box
+    app, release = value.get("app"), value.get("release")
+    if app is not None and (not isinstance(app, str) or not _APP_RE.match(app)):
+        return refuse(400, "M-R4", reason=f"app must be an app name, not {echo(app)}")
+    if release is not None and (app is None or isinstance(release, bool) or not isinstance(release, int)
+                                or release < 1):
+        return refuse(400, "M-R4", reason=f"release must be a release number (1 or more) of the app, not "
+                                          f"{echo(release)}")
+    return CreateRequest(box=box, app=app, release=release)
 
 
 def parse_empty(body: bytes) -> DoorRefusal | None:

@@ -12,7 +12,7 @@ import functools
 
 import msgspec
 
-from events.claim import Claim, Holder, Op, Touched
+from events.claim import AppRef, Claim, Holder, Op, Touched
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 
 
@@ -22,9 +22,12 @@ def location_for(host: str, incarnation: str) -> str:
 
 
 def decide_begin_create(
-    current: Claim | None, *, host: str, incarnation: str, box: str, region: str
+    current: Claim | None, *, host: str, incarnation: str, box: str, region: str, app: AppRef | None = None
 ) -> Claim | NoChange | Refusal:
-    intent = {"create": {"incarnation": incarnation, "box": box, "region": region}}
+    create: dict[str, object] = {"incarnation": incarnation, "box": box, "region": region}
+    if app is not None:  # the release the incarnation runs (issue 18), named in the intent before any effect (C2)
+        create["app"] = msgspec.to_builtins(app)
+    intent = {"create": create}
     if current is not None:
         if current.op.kind == "creating" and current.op.intent == intent:
             return NoChange("already creating")
@@ -48,22 +51,26 @@ def decide_finish_create(current: Claim | None, *, incarnation: str) -> Claim | 
     if current.op.kind != "creating" or current.op.intent.get("create", {}).get("incarnation") != incarnation:
         return Refusal(f"{current.host} is not being created with this incarnation; nothing was changed.")
     box = current.op.intent["create"]["box"]
-    holder = Holder(incarnation=incarnation, location=location_for(current.host, incarnation), writer_box="")
+    named = current.op.intent["create"].get("app")
+    app = msgspec.convert(dict(named), AppRef) if named is not None else None
+    holder = Holder(incarnation=incarnation, location=location_for(current.host, incarnation), writer_box="",
+                    app=app)
     return msgspec.structs.replace(
         current, holder=holder, op=Op(kind="serving", exec=box, participants=(box,))
     )
 
 
 async def create_host(ledger: Ledger, host: str, *, box: str, region: str, incarnation: str,
-                      causation: str = "") -> Committed[Claim] | Refusal:
-    """Create ``host`` on ``box``: the ``creating`` CAS (intent first, C2), then ``serving``.
+                      app: AppRef | None = None, causation: str = "") -> Committed[Claim] | Refusal:
+    """Create ``host`` on ``box`` running the release ``app``: the ``creating`` CAS (intent first, C2), then
+    ``serving`` with the holder naming the release.
 
     A crash between the two leaves ``creating`` with the intent; running this again with the same
     incarnation finishes it.
     """
     begin = await ledger.transition(
         "claim", host, "create-begin",
-        functools.partial(decide_begin_create, host=host, incarnation=incarnation, box=box, region=region),
+        functools.partial(decide_begin_create, host=host, incarnation=incarnation, box=box, region=region, app=app),
         causation=causation,
     )
     if isinstance(begin, Refusal):

@@ -19,15 +19,32 @@ from typing import TypeVar
 
 from bus.nats_log import NatsEventLog
 from events import Actor
+from events.claim import AppRef
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
-from kernel.ports import SystemRandom, WallClock
+from kernel.ports import Clock, SystemRandom, WallClock
+from moveprobe import RELEASE_MANIFEST
+from services.apps.releases import load_manifest, publish, set_default_app
+from services.box.deployment import init_deployment
 from services.box.instance.proctree import CgroupTree
 from services.box.roster import ensure_deployment, init_box
 from services.ledger import Ledger
+from services.objstore.port import ObjectStore
 from services.objstore.s3 import S3Store
 
 T = TypeVar("T")
+
+
+SAMPLE_ENV = {"MOVEPROBE_INTERVAL_S": "3600"}
+"""The sample app's background loop, unless a world's ``app_env`` says otherwise: idle (hosts can sleep)."""
+
+
+async def publish_sample(store: ObjectStore, bucket: str, clock: Clock,
+                         env: dict[str, str] | None = None) -> AppRef:
+    """Publish ``moveprobe`` (its manifest, ``env`` added) as an app release in ``bucket``: like any app."""
+    manifest, files = load_manifest(RELEASE_MANIFEST, name="moveprobe", env={**SAMPLE_ENV, **(env or {})})
+    _release, ref = await publish(store, bucket, manifest, files, clock=clock)
+    return ref
 
 
 async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 60.0,
@@ -58,6 +75,8 @@ class AgentWorld:
     events: NatsEventLog
     ledger: Ledger
     deployment: str = ""
+    app: AppRef | None = None
+    """The sample app's release this world published (``moveprobe``, issue 18): what its hosts are created with."""
 
     def box_dir(self, region: str) -> Path:
         return self.root / "boxes" / self.labels[region]
@@ -70,8 +89,10 @@ class AgentWorld:
         """The region's box's cgroup subtree on this machine (which may not exist), ``None`` without cgroup v2."""
         return self.tree(self.labels[region]).base
 
-    def acks(self, host: str) -> Path:
-        return self.root / "acks" / f"{host}.jsonl"
+    def acks(self, host: str, region: str = "ie") -> Path:
+        """The acknowledgement log of ``host``'s instances on the region's box (the release's
+        ``{side_dir}/{host}.{box}.jsonl``)."""
+        return self.root / "acks" / f"{host}.{self.labels[region]}.jsonl"
 
     def stop(self) -> dict[str, int | None]:
         return {region: agent.stop() for region, agent in self.agents.items()}
@@ -119,13 +140,15 @@ async def data_buckets(stack: StackInfo, unique: Callable[[str], str],
 @asynccontextmanager
 async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path, prefix: str, *, store: S3Store,
                       events: NatsEventLog, start: bool = True, extra: dict[str, dict[str, str]] | None = None,
-                      app_env: dict[str, str] | None = None,
+                      app_env: dict[str, str] | None = None, agent_env: dict[str, str] | None = None,
                       labels: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:
     """Two boxes under ``root`` registered in a fresh deployment bucket with its own identity, their agents
     started (unless ``start`` is False); on exit the agents are stopped by SIGTERM, every group of the world's boxes
     is drained and the deployment bucket dropped. The data buckets ``<prefix>-ie`` and ``<prefix>-uk`` belong to the
     caller (shared across worlds). ``labels`` names the boxes (``{"ie": ..., "uk": ...}``; unique ones by
-    default)."""
+    default). The world's deployment is initialized (its key and floor) and the sample app published as a release
+    with ``app_env`` in its environment (``AgentWorld.app``; a ``HOSTMOVE_*`` setting in it is the agents');
+    ``agent_env`` is added to every agent's own environment."""
     clock = WallClock()
     deploy = unique("agt-deploy")
     await store.create_bucket(deploy, versioned=True)
@@ -133,14 +156,18 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
     actor = Actor(service="test-agents", pid=os.getpid(), nonce="agents")
     ledger = Ledger(store, events, clock, actor, deploy)
     labels = dict(labels) if labels is not None else {"ie": unique("ie"), "uk": unique("uk")}
+    await init_deployment(root=root, store=store, bucket=deploy, clock=clock)
     for region, label in labels.items():
         await init_box(root=root, label=label, region=region, store=store, bucket=deploy, events=events, clock=clock,
                        actor=actor)
+    platform = {k: v for k, v in (app_env or {}).items() if k.startswith("HOSTMOVE_")}  # the agents' settings
+    app = await publish_sample(store, deploy, clock, {k: v for k, v in (app_env or {}).items() if k not in platform})
+    await set_default_app(store, deploy, app)  # what a host created without --app runs here
     env = service_env(stack, root=root, bucket=deploy, extra={
-        "HOSTMOVE_DATA_BUCKET_PREFIX": prefix, "HOSTMOVE_PROFILE": "fast", **(app_env or {})})
+        "HOSTMOVE_DATA_BUCKET_PREFIX": prefix, "HOSTMOVE_PROFILE": "fast", **platform, **(agent_env or {})})
     agents = {r: ServiceProc.serve("box", env, root / f"agent-{label}.log", "--label", label)
               for r, label in labels.items()}
-    world = AgentWorld(root, deploy, prefix, labels, agents, store, events, ledger, deployment)
+    world = AgentWorld(root, deploy, prefix, labels, agents, store, events, ledger, deployment, app)
     try:
         if start:
             for region, agent in agents.items():

@@ -51,6 +51,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
@@ -191,6 +192,18 @@ class AppSpec:
     ready_within_s: float = 30.0
 
 
+class AppUnavailable(Exception):
+    """The host's app cannot be rendered on this box (no release, one not staged, a secret that does not open):
+    nothing starts and nothing changes; ``str()`` is the reason in the operator's words."""
+
+
+class AppSource(Protocol):
+    """Renders the :class:`AppSpec` of a host from its claim (the host's app release, issue 18:
+    :class:`services.apps.box.BoxApps`); raises :class:`AppUnavailable`."""
+
+    async def spec(self, claim: Claim) -> AppSpec: ...
+
+
 @dataclass(frozen=True)
 class StartPolicy:
     attempts: int = 5
@@ -280,10 +293,23 @@ def purge_local_db(db_path: Path) -> None:
 
 
 class Activator:
-    def __init__(self, ctx: BoxContext, app: AppSpec, policy: StartPolicy | None = None) -> None:
+    def __init__(self, ctx: BoxContext, app: AppSpec | AppSource, policy: StartPolicy | None = None) -> None:
         self.ctx = ctx
         self.app = app
+        """A fixed app for every host, or the source that renders each host's from its release (every start)."""
         self.policy = policy or StartPolicy()
+        self._specs: dict[str, AppSpec] = {}
+
+    async def app_spec(self, claim: Claim) -> AppSpec:
+        """The app ``claim``'s host starts as on this box (:class:`AppUnavailable` when it cannot)."""
+        return self.app if isinstance(self.app, AppSpec) else await self.app.spec(claim)
+
+    def _spec(self, host: str) -> AppSpec:
+        spec = self._specs.get(host)
+        if spec is None:
+            assert isinstance(self.app, AppSpec), "a rendered app is resolved by wake() before any start"
+            return self.app
+        return spec
 
     @property
     def running(self) -> Instances:
@@ -488,6 +514,10 @@ class Activator:
             if reason is not None:
                 return StartRefused(host, reason)
             assert claim is not None and claim.holder is not None
+            try:  # rendered before the admission: a host this box cannot render burns no session
+                self._specs[host] = await self.app_spec(claim)
+            except AppUnavailable as exc:
+                return StartRefused(host, str(exc))
             # A stop whose final sync failed (an idle stop, a shutdown) left commits only on this disk: flush them
             # into the holder's generation before the admission's purge (§5.3 step 5), or they would be declared lost.
             flushed = await self.flush_orphan(host)
@@ -591,13 +621,14 @@ class Activator:
         port = free_port()
         logs = ctx.box_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # the platform's: no instance lists or reads them
-        env = instance_env(self.app.env(host, ctx.data_dir, port, ctx.region), home=ctx.files_dir(host))  # release's
+        app = self._spec(host)
+        env = instance_env(app.env(host, ctx.data_dir, port, ctx.region), home=ctx.files_dir(host))  # its release's
         await blocking(hand_over, getattr(ctx.tree, "instance_user", None), ctx.data_dir, host)
         spawned = await blocking(
-            ctx.tree.spawn_strict, host, list(self.app.argv), env=env, cwd=str(ctx.box_dir),
+            ctx.tree.spawn_strict, host, list(app.argv), env=env, cwd=str(ctx.box_dir),
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
         )
-        await self._ready(port, spawned, logs / f"{host}.err")
+        await self._ready(port, spawned, logs / f"{host}.err", app)
         # The files manifest before the generation's first upload: a generation that holds data always has a
         # manifest to restore its files from after a lost disk (L17; the simulation's lost disk found a first wake
         # that died between its first upload and its manifest, which left the host unstartable for good).
@@ -722,11 +753,11 @@ class Activator:
         if isinstance(verdict, RestoreCold) and ctx.db_path(claim.host).exists():
             raise StartError(f"the local database does not match the claim after the restore: {verdict.reason}")
 
-    async def _ready(self, port: int, spawned: Spawned, stderr: Path) -> None:
+    async def _ready(self, port: int, spawned: Spawned, stderr: Path, app: AppSpec) -> None:
         """The readiness path answers 200 to 399 within the window (S1, §7.7). An app that exits
         fails the attempt at once, with the last line it wrote."""
-        deadline = self.ctx.clock.monotonic() + self.app.ready_within_s
-        url = f"http://127.0.0.1:{port}{self.app.ready_path}"
+        deadline = self.ctx.clock.monotonic() + app.ready_within_s
+        url = f"http://127.0.0.1:{port}{app.ready_path}"
         while True:
             code = spawned.process.poll()
             if code is not None:
@@ -737,8 +768,8 @@ class Activator:
             if status is not None and 200 <= status < 400:
                 return
             if self.ctx.clock.monotonic() > deadline:
-                raise StartError(f"the instance did not answer {self.app.ready_path} within "
-                                 f"{self.app.ready_within_s:.0f} s")
+                raise StartError(f"the instance did not answer {app.ready_path} within "
+                                 f"{app.ready_within_s:.0f} s")
             await self.ctx.clock.sleep(0.1)
 
     # -- stopping ---------------------------------------------------------------------------------
@@ -909,6 +940,7 @@ def remove_box_data(ctx: BoxContext) -> None:
 
 
 __all__ = [
-    "Activator", "AlertOutbox", "AppSpec", "BaselineRefused", "BoxContext", "Certificate", "StartFailed",
+    "Activator", "AlertOutbox", "AppSource", "AppSpec", "AppUnavailable", "BaselineRefused", "BoxContext",
+    "Certificate", "StartFailed",
     "StartPolicy", "StartRefused", "Started", "certificate_key", "purge_local_db", "replication_position",
 ]
