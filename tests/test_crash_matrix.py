@@ -21,12 +21,14 @@ import pytest
 import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
+from hostmove.procs import ServiceProc
 from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV, ENV_LOG
 from services.agent.service import endpoint_path
 from services.objstore.s3 import S3Store
 from tests.helpers.agents import agent_world, data_buckets, eventually
-from tests.test_agent import APP, assert_served_on_uk, create_and_write, moved, request_move
+from tests.test_agent import APP, assert_served_on_uk, closed_on_ie, create_and_write, moved, request_move
+from tests.test_rollback import every_row_home
 
 FULL = os.environ.get("HOSTMOVE_CRASH_MATRIX", "") == "full"
 FROM = int(os.environ.get("HOSTMOVE_CRASH_MATRIX_FROM", "0"))  # resume a full run at this case
@@ -196,3 +198,103 @@ async def test_a_sigkill_at_each_failpoint_converges(stack: StackInfo, unique: C
     # Every case that reached its point converged above; most points must be reached.
     allowed = max(1, len(cases) // 20)
     assert len(killed) >= len(cases) - allowed, ("failpoints not reached", set(cases) - set(killed))
+
+
+# -- the dirty rollback (issue 13): the return lane and the source's install ------------------------------------
+
+DIRTY_APP = {**APP, "MOVEPROBE_FAIL_READY_IN": "uk", "MOVEPROBE_FAIL_READY_WHEN": "after-write"}
+"""The sample app writes on the target during its probe, then fails its readiness there: a dirty release (§7.8)."""
+ROLLBACK_SPREAD = int(os.environ.get("HOSTMOVE_CRASH_ROLLBACK_SPREAD", "1"))
+"""Rollback cases per agent in ``make test`` (the full matrix takes every rollback point)."""
+
+
+def rollback_points(points: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The named points of a rollback's own steps: its journal CASes (``rollback-...``), the return lane
+    (``returning:``) and the source's install phases (``return:``)."""
+    return [(p, n) for p, n in named(points) if "rollback" in p or p.startswith(("return", "returning"))]
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def dirty_points(stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+                       tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, int]]]:
+    """A dirty rollback with the failpoint logs on: every rollback point each agent reaches."""
+    store, events, prefix = shared
+    root = tmp_path_factory.mktemp("dirty")
+    logs = {r: root / f"points-{r}.log" for r in ("ie", "uk")}
+    extra = {r: {ENV_LOG: str(p)} for r, p in logs.items()}
+    async with agent_world(stack, unique, root, prefix, store=store, events=events, extra=extra,
+                           app_env=DIRTY_APP) as w:
+        host = f"{unique('dirty')}.example.com"
+        await create_and_write(w, host)
+        for log in logs.values():
+            with log.open("a") as f:
+                f.write(MARK + "\n")
+        move_id = await request_move(w, host)
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        await every_row_home(w, host)
+    return {r: rollback_points(occurrences(p)) for r, p in logs.items()}
+
+
+def rollback_matrix(points: dict[str, list[tuple[str, int]]]) -> list[Case]:
+    cases: list[Case] = []
+    for region in ("ie", "uk"):
+        mine = points[region]
+        if not FULL and len(mine) > ROLLBACK_SPREAD:
+            step = len(mine) / (ROLLBACK_SPREAD + 1)
+            mine = [mine[round((i + 1) * step) - 1] for i in range(ROLLBACK_SPREAD)]
+        cases += [(region, p, n) for p, n in mine]
+    return cases
+
+
+def test_the_dirty_rollback_reaches_its_failpoints(dirty_points: dict[str, list[tuple[str, int]]]) -> None:
+    """The return lane's and the install's hooks are wired: the target journals returning and returned, the source
+    each install phase, both before and after its effects."""
+    ie = {p for p, _ in dirty_points["ie"]}
+    uk = {p for p, _ in dirty_points["uk"]}
+    assert {"after_cas:record:rollback-target-returning", "returning:published",
+            "after_cas:record:rollback-target-returned"} <= uk, sorted(uk)
+    for phase in ("parking", "building", "local", "configured", "restored"):
+        assert f"return:before_effects:{phase}" in ie and f"return:after_effects:{phase}" in ie, (phase, sorted(ie))
+    assert "after_cas:record:rollback-source-probing" in ie, sorted(ie)
+
+
+@pytest.mark.timeout(5400 if FULL else 900)
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_sigkill_in_a_dirty_rollback_converges(stack: StackInfo, unique: Callable[[str], str],
+                                                       shared: tuple[S3Store, NatsEventLog, str],
+                                                       dirty_points: dict[str, list[tuple[str, int]]],
+                                                       tmp_path: Path) -> None:
+    """The agent of either box dies at a rollback failpoint and is restarted: the move still closes rolled_back
+    with every row either box acknowledged on the source and nothing of it declared lost, nothing on the target, a
+    history that audits clean."""
+    store, events, prefix = shared
+    cases = rollback_matrix(dirty_points)
+    assert cases, dirty_points
+    killed = []
+    for i, (region, point, n) in enumerate(cases):
+        root = tmp_path / f"rb-{i}"
+        root.mkdir()
+        async with agent_world(stack, unique, root, prefix, store=store, events=events, app_env=DIRTY_APP,
+                               extra={region: {ENV: f"{point}@{n}"}}) as w:
+            host = f"{unique('rbcrash')}.example.com"
+            await create_and_write(w, host)
+            move_id = await request_move(w, host)
+            agent = w.agents[region]
+
+            async def died_or_closed(agent: ServiceProc = agent, host: str = host) -> str:
+                if not agent.alive():
+                    return "died"
+                record = (await w.ledger.read_record(host)).state
+                return "closed" if record is not None and record.move is None and record.last_move else ""
+
+            what = await eventually(died_or_closed, f"{point}@{n} on {region} or the close", 120)
+            if what == "died":
+                assert agent.proc is not None and agent.proc.wait() == -9, agent.output()[-2000:]
+                agent.start()
+                killed.append((region, point, n))
+            try:
+                await closed_on_ie(w, host, move_id, "rolled_back")
+                await every_row_home(w, host)
+            except AssertionError as exc:
+                raise AssertionError(f"case {(region, point, n)}: {exc}") from exc
+    assert len(killed) >= len(cases) - len(cases) // 20, ("failpoints not reached", cases, killed)
