@@ -52,6 +52,14 @@ class StreamState:
     messages: int
 
 
+def unavailable_reason(log: object) -> str | None:
+    """Why ``log`` cannot be used now, when it reports itself down (an adapter with ``down_reason()``, such as
+    :class:`bus.nats_log.NatsEventLog`); None for a log that is up or cannot tell (the twin)."""
+    down_reason = getattr(log, "down_reason", None)
+    reason = down_reason() if callable(down_reason) else None
+    return reason if isinstance(reason, str) and reason else None
+
+
 def require_available(log: object) -> None:
     """Raise :class:`LogUnavailable` when ``log`` reports itself down (an adapter with ``down_reason()``, such as
     :class:`bus.nats_log.NatsEventLog`); a log without it (the twin) is always available."""

@@ -38,7 +38,7 @@ from urllib.parse import quote, unquote
 import aiohttp
 
 from bus.facts import Fact, publish_alert
-from bus.log import EventLog, LogError
+from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from kernel import ports
@@ -89,7 +89,7 @@ from services.move.sides import (
     Timings,
     stage_of,
 )
-from services.objstore.port import ObjectStore
+from services.objstore.port import ObjectStore, StoreUnavailable
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.generations import ChoresReport
@@ -100,6 +100,11 @@ from services.target.probe import ProbeTiming
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
 log = logging.getLogger("hostmove.agent")
+
+
+def dependency_of(exc: Exception) -> str:
+    """The dependency an outage's exception names, in the operator's words."""
+    return "NATS (the event stream)" if isinstance(exc, LogUnavailable) else "the object store (S3)"
 
 CLAIMS_PREFIX = "control/hosts/"
 SECOND_WRITER = "second-writer"
@@ -230,6 +235,7 @@ class BoxAgent:
         self._timer_runner: TimerRunner | None = None
         self._faults = faults
         self._http: aiohttp.ClientSession | None = None
+        self._down: str | None = None  # the dependency outage the passes wait out, named once (:meth:`_outage`)
 
     @property
     def label(self) -> str:
@@ -674,13 +680,29 @@ class BoxAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.timing.timer_tick_s)
 
+    def _outage(self, reason: str | None) -> None:
+        """A dependency outage the passes wait out (issue 11 item 3): named once when it begins and once when it
+        ends, not on every failed pass (a pass during an outage acts on nothing: a read error never acts)."""
+        if reason is not None and self._down is None:
+            self._down = reason
+            log.warning("passes on %s wait for a dependency: %s", self.label, reason,
+                        extra=ctx(box=self.label, phase="outage", reason=reason))
+        elif reason is None and self._down is not None:
+            log.info("passes on %s resumed: the outage is over (%s)", self.label, self._down,
+                     extra=ctx(box=self.label, phase="outage", reason=self._down))
+            self._down = None
+
     async def _pass_loop(self, stop: asyncio.Event) -> None:
         next_scan = self.clock.monotonic()
         while not stop.is_set():
             now = self.clock.monotonic()
+            bus_down = unavailable_reason(self.events)
+            self._outage(bus_down)
             if now >= next_scan:
                 try:
                     self._dirty |= await self.scan()
+                except (LogUnavailable, StoreUnavailable) as exc:
+                    self._outage(f"{dependency_of(exc)}: {exc}")
                 except Exception as exc:  # noqa: BLE001 - a read error never acts; scan again later
                     log.warning("scan failed on %s: %s", self.label, type(exc).__name__,
                                 extra=ctx(box=self.label, phase="scan", reason=exc))
@@ -690,11 +712,20 @@ class BoxAgent:
                 del self._due[h]
             work = self.take_notified() | due
             self._wake.clear()
+            if bus_down is not None:  # nothing a pass decides can be journaled: keep the work for later
+                at = now + self.timing.retry_s
+                for host in work:
+                    self._due[host] = min(self._due.get(host, at), at)
+                work = set()
             for host in sorted(work):
                 if stop.is_set():
                     break
                 try:
                     result = await self.pass_host(host)
+                    self._outage(None)
+                except (LogUnavailable, StoreUnavailable) as exc:  # the outage is named once, not per pass
+                    self._outage(f"{dependency_of(exc)}: {exc}")
+                    result = PassResult(host, again_in_s=self.timing.retry_s)
                 except Exception as exc:  # noqa: BLE001 - logged, retried: a pass is idempotent
                     log.warning("pass of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
                                 str(exc).splitlines()[0][:200] if str(exc) else "",
