@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages
+.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ sim-sweep: $(STAMP)
 # The crash matrix at every named failpoint of a move (SIGKILL, restart, converge); `make test` runs a spread.
 crash-matrix: $(STAMP)
 	HOSTMOVE_CRASH_MATRIX=full $(BIN)/python -m pytest -q tests/test_crash_matrix.py
+
+# The rehearsals of spec §14.4 on the real stack, services as processes (`hostmove rehearse --scenario ...` runs one
+# on the embedded stack): a move, a clean and a dirty rollback, a stuck move retried. Several minutes.
+rehearse: $(STAMP)
+	HOSTMOVE_REHEARSE=1 $(BIN)/python -m pytest -q tests/test_rehearse.py
 
 # NATS and SeaweedFS each stopped for OUTAGE_S seconds during a move (`make test` runs 15 s outages).
 OUTAGE_S ?= 60

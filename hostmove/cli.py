@@ -245,6 +245,12 @@ async def _demo(args: argparse.Namespace) -> int:
     return await demo.run(Path(args.root))
 
 
+async def _rehearse(args: argparse.Namespace) -> int:
+    from hostmove import rehearse
+
+    return await rehearse.run(Path(args.root), args.scenario)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hostmove", description="Move a running app instance between regions.",
                                 epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -296,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     app_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
+    from hostmove import rehearse
+
+    rehearse.add_parser(sub)
     return p
 
 
@@ -312,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_stack(args)
         from hostmove import app_cli, move_cli
 
-        runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "box": _box,
+        runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
                   "deployment": app_cli.run_deployment}[args.command]
         try:

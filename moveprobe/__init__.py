@@ -17,7 +17,11 @@ Run it with ``python -m moveprobe``. Configuration, all from the environment:
 - ``MOVEPROBE_PORT``: TCP port, default 0 (a free one; the ``listening`` log line names it).
 - ``MOVEPROBE_BIND``: address, default ``127.0.0.1``.
 - ``MOVEPROBE_INTERVAL_S``: seconds between background rows, default 0.5; 0 disables the loop.
-- ``MOVEPROBE_FAIL_READY_IN``: a region; when it equals ``MOVEPROBE_REGION``, ``GET /ready`` answers 503.
+- ``MOVEPROBE_FAIL_READY_IN``: a region, or several separated by commas; when one equals ``MOVEPROBE_REGION``,
+  ``GET /ready`` answers 503.
+- ``MOVEPROBE_FAIL_READY_SWITCH``: a file; when set, the fail switch is on only for a boot that starts while the
+  file exists (an instance booted before keeps answering; a rehearsal "fixes the cause" by removing it, without a new
+  release).
 - ``MOVEPROBE_FAIL_READY_WHEN``: ``before-write`` (default: the boot writes nothing at all to the
   instance, and ``/write`` and timer deliveries answer 503) or ``after-write`` (the boot commits one
   row before it listens, then writes as usual; only readiness fails).

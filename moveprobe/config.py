@@ -40,6 +40,7 @@ class Config:
     interval_s: float = DEFAULT_INTERVAL_S
     fail_ready_in: str = ""
     fail_ready_when: FailWhen = "before-write"
+    fail_ready_switch: Path | None = None
     worker: bool = True
     worker_file: Path | None = None
     worker_interval_s: float = DEFAULT_WORKER_INTERVAL_S
@@ -74,8 +75,10 @@ class Config:
 
     @property
     def failing_here(self) -> bool:
-        """True when the fail switch names this process's region."""
-        return bool(self.fail_ready_in) and self.fail_ready_in == self.region
+        """True when the fail switch names this process's region (one of a comma-separated list). With a switch file
+        the switch is this boot's: on when the file existed as it booted (:func:`load_config`), so an instance that
+        booted before the switch was set keeps answering, and every later boot fails until the file is removed."""
+        return self.region in {r.strip() for r in self.fail_ready_in.split(",") if r.strip()}
 
     @property
     def writes_allowed(self) -> bool:
@@ -147,6 +150,7 @@ def load_config(env: Mapping[str, str]) -> Config:
         when = "after-write"
     else:
         raise ConfigError(f"MOVEPROBE_FAIL_READY_WHEN={when_raw!r} must be before-write or after-write")
+    switch_raw = env.get("MOVEPROBE_FAIL_READY_SWITCH", "").strip()
     worker_file_raw = env.get("MOVEPROBE_WORKER_FILE", "").strip()
     worker_file = Path(os.path.abspath(worker_file_raw)) if worker_file_raw else None
     cfg = Config(
@@ -157,8 +161,9 @@ def load_config(env: Mapping[str, str]) -> Config:
         bind=env.get("MOVEPROBE_BIND", "").strip() or "127.0.0.1",
         port=int(port_raw),
         interval_s=_float(env, "MOVEPROBE_INTERVAL_S", DEFAULT_INTERVAL_S, minimum=0.0),
-        fail_ready_in=fail_in,
+        fail_ready_in="" if switch_raw and not os.path.exists(switch_raw) else fail_in,  # the switch is off: this boot
         fail_ready_when=when,
+        fail_ready_switch=Path(os.path.abspath(switch_raw)) if switch_raw else None,
         worker=_flag(env, "MOVEPROBE_WORKER", True),
         worker_file=worker_file,
         worker_interval_s=_float(env, "MOVEPROBE_WORKER_INTERVAL_S", DEFAULT_WORKER_INTERVAL_S, minimum=0.01),

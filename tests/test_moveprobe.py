@@ -144,6 +144,14 @@ def test_config_refuses_what_cannot_run(tmp_path: Path) -> None:
     after = load_config({**good, "MOVEPROBE_FAIL_READY_IN": "ie", "MOVEPROBE_FAIL_READY_WHEN": "after-write"})
     assert after.failing_here and after.writes_allowed
     assert not load_config({**good, "MOVEPROBE_FAIL_READY_IN": "uk"}).failing_here
+    assert load_config({**good, "MOVEPROBE_FAIL_READY_IN": "uk, ie"}).failing_here, "a list of regions"
+    switch = tmp_path / "switch"
+    switched = {**good, "MOVEPROBE_FAIL_READY_IN": "ie", "MOVEPROBE_FAIL_READY_SWITCH": str(switch)}
+    booted_before = load_config(switched)
+    assert not booted_before.failing_here, "off for a boot while the switch file is absent"
+    switch.touch()
+    assert load_config(switched).failing_here, "on for a boot while it exists"
+    assert not booted_before.failing_here, "an instance booted before the switch keeps answering"
 
 
 # --- boots and the key ---------------------------------------------------------------------------

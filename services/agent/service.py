@@ -64,6 +64,7 @@ from services.box.instance.activator import (
     BoxContext,
     Started,
     StartFailed,
+    StartPolicy,
     StartRefused,
 )
 from services.box.instance.instances import Instances
@@ -111,6 +112,10 @@ SECOND_WRITER = "second-writer"
 """The alert of an instance this box stopped because its claim names another writer (issue 14 item 5)."""
 
 
+FAST_RECOVERY = StartPolicy(attempts=2, first_backoff_s=0.2, ready_within_s=4.0)
+"""The fast profile's recovery probe attempt (two starts in 4 s windows): nine failed attempts take about a minute."""
+
+
 @dataclass(frozen=True)
 class AgentTiming:
     """How often the agent looks without being told (``scan_s``), how soon it retries a pass that raised
@@ -134,11 +139,14 @@ class AgentTiming:
     retention_ms: int | None = 5_000
     """How long the parks' archives (``superseded/``, ``move-snapshots/``) are kept (:mod:`services.sweeper.retention`);
     None: the deployment's ``HOSTMOVE_RETENTION_S``, seven days by default (the production profile)."""
+    recovery: StartPolicy | None = FAST_RECOVERY
+    """The starts of one recovery probe attempt of a rollback's source (§7.8: nine attempts before ``stuck``); None:
+    the box's policy, §7.7's five starts in a 30 s window (the production profile)."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
-    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0, retention_ms=None)
+    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0, retention_ms=None, recovery=None)
 FAST_AGENT = AgentTiming()
 
 
@@ -216,7 +224,7 @@ class BoxAgent:
         self.source = SourceRunners(deployment, SourceSide(
             ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key,
             launch=self.apps.launch if self.apps is not None else sample_launch,
-            ready_url=self._ready_url), self.timing.move, faults=faults)
+            ready_url=self._ready_url, recovery_policy=self.timing.recovery), self.timing.move, faults=faults)
         self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
                                     self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(

@@ -24,7 +24,7 @@ from bus.log import EventLog
 from events.claim import Claim
 from events.record import Record
 from services.box.artifacts.sealing import PrivateKey
-from services.box.instance.activator import Activator, BoxContext
+from services.box.instance.activator import Activator, BoxContext, StartPolicy
 from services.box.instance.evidence import LeaseObservation, lease_file_check
 from services.box.instance.timers import Timers
 from services.door.api import Door
@@ -86,6 +86,8 @@ class SourceSide:
     launch: Callable[[str], Awaitable[LaunchInputs]]
     ready_url: Callable[[str], str | None]
     recovery_armed: Callable[[str], bool] = lambda host: True
+    recovery_policy: StartPolicy | None = None
+    """The starts of one attempt of a rollback's recovery probe (None: the activator's, §7.7)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ class SourceRunners:
                                    probe_budget_ms=int(timings.source.revert_probe_budget_s * 1000))
         self.recovery = RollbackRecovery(
             ctx.label, ledger, ctx.registry, source.timers, source.activator, self.final, ctx.files_dir,
-            region=ctx.region, install=ReturnInstall(
+            region=ctx.region, policy=source.recovery_policy, install=ReturnInstall(
                 label=ctx.label, region=ctx.region, box_dir=ctx.box_dir, data_store=ctx.data_store,
                 data_bucket=ctx.data_bucket, registry=ctx.registry, timers=source.timers, clock=ctx.clock,
                 private_key=source.secrets_key, launch=source.launch, faults=faults))

@@ -18,7 +18,7 @@ import msgspec
 from events.claim import Claim, Obligation, Scope
 from events.record import Move, Rollback
 from kernel import rules
-from services.box.instance.activator import Activator, Started, StartFailed
+from services.box.instance.activator import Activator, Started, StartFailed, StartPolicy
 from services.box.instance.registry import Registry
 from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
@@ -72,6 +72,8 @@ class RollbackRecovery:
     region: str = ""
     install: ReturnInstall | None = None
     """The dirty return's install phases (§7.8); without it a dirty recovery waits."""
+    policy: StartPolicy | None = None
+    """The starts of one recovery probe attempt (None: the activator's, §7.7)."""
 
     async def run(self, host: str, move_id: str, *, max_steps: int = 10) -> RunnerResult:
         return await until_still(lambda: self.step(host, move_id), RunnerResult(False, "no step taken"), max_steps)
@@ -86,10 +88,10 @@ class RollbackRecovery:
         holder = claim.holder
         last = holder.admissions[-1] if holder is not None and holder.admissions else None
         if rb.dirty and (holder is None or not any(a.generation == rb.id for a in holder.admissions)):
-            started = await self.activator.wake(host, prepared=rb.id)
+            started = await self.activator.wake(host, prepared=rb.id, policy=self.policy)
         else:
             covered = not rb.dirty and (last is None or last.box != self.label)
-            started = await self.activator.wake(host, coverage=CLEAN_RETURN if covered else "")
+            started = await self.activator.wake(host, coverage=CLEAN_RETURN if covered else "", policy=self.policy)
         if isinstance(started, Started):
             return None
         why = f"the recovery probe did not start: {started.reason}"

@@ -214,6 +214,8 @@ class StartPolicy:
     """Clean-close certificates (the stated deviation from ruling P7, module doc). Off
     (``HOSTMOVE_CLEAN_CLOSE_CERTIFICATES=off``): none is written or read, so every predecessor is declared, as P7
     reads it."""
+    ready_within_s: float | None = None
+    """The readiness window of each start, when it is not the app's (a fast profile's recovery probe, §7.8)."""
 
 
 CERTIFICATES_SETTING = "HOSTMOVE_CLEAN_CLOSE_CERTIFICATES"
@@ -493,12 +495,14 @@ class Activator:
 
     # -- the start --------------------------------------------------------------------------------
 
-    async def wake(self, host: str, *, coverage: str = "", prepared: str = "") -> Started | StartRefused | StartFailed:
+    async def wake(self, host: str, *, coverage: str = "", prepared: str = "", policy: StartPolicy | None = None
+                   ) -> Started | StartRefused | StartFailed:
         """Start ``host`` on this box: admit, then up to five attempts under that session. ``coverage`` is the
         admission's (§5.1 step 9): ``clean-return`` for a clean rollback's recovery probe (§7.8). ``prepared`` names a
         generation an install built on this box's region (a dirty rollback's ``g-<rb>``, §7.8, §7.14): the admission
         is cold **into** it, covered by its seal (``sealed``: nothing is declared), opened once, and its
-        ``generation.json`` is published with the install's snapshot identity before the app starts."""
+        ``generation.json`` is published with the install's snapshot identity before the app starts. ``policy``: this
+        wake's starts, when they are not the box's (a recovery probe's, §7.8)."""
         if host in self.running:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
@@ -552,7 +556,7 @@ class Activator:
                 refused = await self._publish_prepared(admitted.state, prepared)
                 if refused is not None:
                     return StartFailed(host, refused, 0, False)
-            return await self._attempts(g, admitted.state, baseline, publish_files=not prepared)
+            return await self._attempts(g, admitted.state, baseline, publish_files=not prepared, policy=policy)
 
     async def _publish_prepared(self, claim: Claim, prepared: str) -> str | None:
         """``generation.json`` naming the prepared generation, with its install manifest's snapshot identity, after
@@ -572,16 +576,18 @@ class Activator:
                                                     current.etag)
         return "generation.json changed under the admission" if isinstance(published, Lost) else None
 
-    async def _attempts(self, g: Guarded, claim: Claim, baseline: str | None, *, publish_files: bool = True
-                        ) -> Started | StartFailed:
+    async def _attempts(self, g: Guarded, claim: Claim, baseline: str | None, *, publish_files: bool = True,
+                        policy: StartPolicy | None = None) -> Started | StartFailed:
         """Up to five starts under the admitted session. ``publish_files`` False: the generation's files manifest is
         the install's prepared one (a dirty return's ``g-<rb>``, §7.6 ``local``), never a session's."""
         assert claim.holder is not None
         host = g.host
         last_error = ""
-        for attempt in range(1, self.policy.attempts + 1):
+        starts = policy or self.policy
+        for attempt in range(1, starts.attempts + 1):
             try:
-                started = await self._start_once(claim, baseline, publish_files=publish_files)
+                started = await self._start_once(claim, baseline, publish_files=publish_files,
+                                                 ready_within_s=starts.ready_within_s)
                 files_dir = self.ctx.files_dir(host)
                 if files_dir.exists():  # the carried files now belong to this installation (retag)
                     write_files_gen(files_dir, claim.holder.generation, claim.holder.incarnation)
@@ -594,17 +600,18 @@ class Activator:
                 last_error = str(exc) or type(exc).__name__
                 log.warning("start %d of %s failed: %s", attempt, host, last_error)
                 await self._stop_tree(host)
-                if attempt < self.policy.attempts:
-                    await self.ctx.clock.sleep(self.policy.first_backoff_s * 2 ** (attempt - 1))
+                if attempt < starts.attempts:
+                    await self.ctx.clock.sleep(starts.first_backoff_s * 2 ** (attempt - 1))
             except Exception:  # a store or bus error mid-start: the half-started app must not outlive it (INV-1)
                 await self._stop_tree(host)
                 raise
         marked = False
         if rules.on("start-retry-marks-failed"):
             marked = self.ctx.registry.set_status(host, "failed")
-        return StartFailed(host, last_error, self.policy.attempts, marked)
+        return StartFailed(host, last_error, starts.attempts, marked)
 
-    async def _start_once(self, claim: Claim, baseline: str | None, *, publish_files: bool = True) -> Started:
+    async def _start_once(self, claim: Claim, baseline: str | None, *, publish_files: bool = True,
+                          ready_within_s: float | None = None) -> Started:
         holder = claim.holder
         assert holder is not None
         host, ctx = claim.host, self.ctx
@@ -628,7 +635,7 @@ class Activator:
             ctx.tree.spawn_strict, host, list(app.argv), env=env, cwd=str(ctx.box_dir),
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
         )
-        await self._ready(port, spawned, logs / f"{host}.err", app)
+        await self._ready(port, spawned, logs / f"{host}.err", app, ready_within_s)
         # The files manifest before the generation's first upload: a generation that holds data always has a
         # manifest to restore its files from after a lost disk (L17; the simulation's lost disk found a first wake
         # that died between its first upload and its manifest, which left the host unstartable for good).
@@ -753,10 +760,12 @@ class Activator:
         if isinstance(verdict, RestoreCold) and ctx.db_path(claim.host).exists():
             raise StartError(f"the local database does not match the claim after the restore: {verdict.reason}")
 
-    async def _ready(self, port: int, spawned: Spawned, stderr: Path, app: AppSpec) -> None:
-        """The readiness path answers 200 to 399 within the window (S1, §7.7). An app that exits
-        fails the attempt at once, with the last line it wrote."""
-        deadline = self.ctx.clock.monotonic() + app.ready_within_s
+    async def _ready(self, port: int, spawned: Spawned, stderr: Path, app: AppSpec,
+                     within_s: float | None = None) -> None:
+        """The readiness path answers 200 to 399 within the window (S1, §7.7; ``within_s`` when given, else the
+        app's). An app that exits fails the attempt at once, with the last line it wrote."""
+        window = within_s or app.ready_within_s
+        deadline = self.ctx.clock.monotonic() + window
         url = f"http://127.0.0.1:{port}{app.ready_path}"
         while True:
             code = spawned.process.poll()
@@ -768,8 +777,7 @@ class Activator:
             if status is not None and 200 <= status < 400:
                 return
             if self.ctx.clock.monotonic() > deadline:
-                raise StartError(f"the instance did not answer {app.ready_path} within "
-                                 f"{app.ready_within_s:.0f} s")
+                raise StartError(f"the instance did not answer {app.ready_path} within {window:.0f} s")
             await self.ctx.clock.sleep(0.1)
 
     # -- stopping ---------------------------------------------------------------------------------

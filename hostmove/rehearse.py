@@ -1,0 +1,327 @@
+"""``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry`` (spec §14.4; issue 13 item 6).
+
+The rehearsal runs on the embedded stack as ``make demo`` does: the door, the recovery pass and one agent per box as
+their own processes, ``moveprobe`` published as an app release and writing throughout (a background row every
+0.2 s, its schedule every 0.4 s, its once-timer 4 s after its first boot), its fail switch set in the release for the
+target region (``MOVEPROBE_FAIL_READY_IN``, before or after writing). It prints the outcome, the §13 timings and the
+§14.4 checks, and exits 0 only when the scenario ended as it must and every check passed:
+
+| scenario           | the fail switch                                | must end                                    |
+|--------------------|------------------------------------------------|---------------------------------------------|
+| ``move``           | none                                           | ``done``, served on the target              |
+| ``clean-rollback`` | the target, before writing                     | ``rolled_back`` clean, the source's         |
+|                    |                                                | generation named again at the return        |
+| ``dirty-rollback`` | the target, after writing                      | ``rolled_back`` dirty, every row the target |
+|                    |                                                | acknowledged on the source, none declared   |
+| ``stuck-retry``    | both regions, while a switch file exists (set  | ``stuck`` after nine failed recovery        |
+|                    | once the host serves on the source)            | probes, then, the file removed and          |
+|                    |                                                | ``hostmove move resolve --retry`` run,      |
+|                    |                                                | ``rolled_back``                             |
+
+After a rollback the checks run on the source (the region that kept the host): the key verifies, every timer ran
+once, no acknowledged row of either box is missing, nothing of the host is left live in the target region, and the
+return lane is parked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import aiohttp
+import msgspec
+
+from bus.subjects import LEDGER_STREAM, ledger_subject
+from events.base import decode
+from events.envelope import Transition
+from hostmove import exitcodes, move_cli
+from hostmove.demo import choose_boxes
+from hostmove.demo_move import _door_up, _until
+from hostmove.probe_apps import free_port, post_write
+from hostmove.procs import ServiceProc, service_env
+from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
+from hostmove.runtime import Runtime, open_runtime, settings_from_stack
+from hostmove.stack import stack_up
+from hostmove.stackinfo import StackInfo
+from kernel.ports import WallClock
+from moveprobe import RELEASE_MANIFEST
+from services.agent.config import region_bucket
+from services.agent.service import read_endpoint
+from services.apps.releases import load_manifest, publish
+from services.box.deployment import init_deployment
+from services.box.instance.proctree import CgroupTree
+from services.box.roster import BoxInit, ensure_deployment, init_box
+from services.door.auth import token_digest
+from services.move.follow import host_segment
+
+SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry")
+APP: Final = {"MOVEPROBE_INTERVAL_S": "0.2", "MOVEPROBE_SCHEDULE_EVERY_S": "0.4", "MOVEPROBE_ONCE_AFTER_S": "4"}
+ONCE_AFTER_MS: Final = 4000
+WRITES: Final = 10
+MOVE_TIMEOUT_S: Final = 300.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a scenario showed: its name, how the move ended (``done``, ``rolled_back``, ``""``: not closed), whether
+    it was stuck on its way, the timings, the checks and the exit code the scenario must answer."""
+
+    scenario: str
+    host: str
+    move_id: str
+    ended: str
+    stuck_first: bool
+    timings: list[str] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    why: str = ""
+
+    @property
+    def expected(self) -> tuple[str, bool]:
+        return {"move": ("done", False), "clean-rollback": ("rolled_back", False),
+                "dirty-rollback": ("rolled_back", False), "stuck-retry": ("rolled_back", True)}[self.scenario]
+
+    @property
+    def ok(self) -> bool:
+        return (self.ended, self.stuck_first) == self.expected and bool(self.checks) and all(
+            c.ok for c in self.checks)
+
+
+def release_env(scenario: str, source_region: str, target_region: str, switch: Path | None) -> dict[str, str]:
+    """The sample app's release environment for ``scenario`` (the module table). Pure."""
+    env = dict(APP)
+    if scenario == "clean-rollback":
+        env.update(MOVEPROBE_FAIL_READY_IN=target_region, MOVEPROBE_FAIL_READY_WHEN="before-write")
+    elif scenario == "dirty-rollback":
+        env.update(MOVEPROBE_FAIL_READY_IN=target_region, MOVEPROBE_FAIL_READY_WHEN="after-write")
+    elif scenario == "stuck-retry":
+        assert switch is not None
+        env.update(MOVEPROBE_FAIL_READY_IN=f"{target_region},{source_region}", MOVEPROBE_FAIL_READY_WHEN="before-write",
+                   MOVEPROBE_FAIL_READY_SWITCH=str(switch))
+    return env
+
+
+async def _history_checks(rt: Runtime, host: str, move_id: str, scenario: str, ie: BoxInit, uk: BoxInit
+                          ) -> list[Check]:
+    """The rollback's own checks from the host's history: its verdict, what the return declared and named, and the
+    return lane parked."""
+    out: list[Check] = []
+    last = await last_move_state(rt.events, host, move_id)
+    rb = last.rollback if last is not None else None
+    want_dirty = scenario == "dirty-rollback"
+    dirty = rb is not None and rb.dirty
+    out.append(Check("the release was " + ("dirty" if want_dirty else "clean"), rb is not None and dirty == want_dirty,
+                     f"rollback {rb.id if rb else '-'}: {'dirty' if dirty else 'clean'}"))
+    claim = (await rt.ledger.read_claim(host)).state
+    admissions = claim.holder.admissions if claim is not None and claim.holder is not None else ()
+    declared = [a for a in admissions if a.box == ie.label and a.writes_lost is not None]
+    out.append(Check("the return declared nothing lost", not declared,
+                     "no admission of the source declares writes_lost" if not declared else f"{declared[0]}"))
+    if want_dirty:
+        sealed = [a for a in admissions if rb is not None and a.generation == rb.id]
+        out.append(Check("the source was admitted into the return generation", bool(sealed) and all(
+            a.coverage == "sealed" for a in sealed), f"g-{rb.id if rb else '-'}: {sealed[:1]}"))
+        rows = [p for p in (rt.settings.root / "acks").glob(f"{host}.{uk.label}.jsonl") if p.stat().st_size > 0]
+        out.append(Check("the target acknowledged rows during its probe", bool(rows), ", ".join(p.name for p in rows)
+                         or "none: the release was dirty for another reason"))
+    else:
+        named = ""
+        async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):
+            t = decode(m.data, Transition)
+            if t.meta.name == "rollback-source-claimed" and t.claim is not None and t.claim.holder is not None:
+                named = f"{t.claim.holder.generation} (src_gen {t.claim.op.journal.get('src_gen')})"
+                ok = t.claim.holder.generation == t.claim.op.journal.get("src_gen")
+                out.append(Check("the return named the source's pre-move generation again", ok, named))
+        if not named:
+            out.append(Check("the return named the source's pre-move generation again", False,
+                             "no rollback-source-claimed transition on the stream"))
+    lane = f"moves/{host_segment(host)}/{rb.id}/" if rb is not None else ""
+    left = await rt.store.list_keys(region_bucket(ie.region), lane) if lane else []
+    out.append(Check("the return lane is parked", not left, "nothing current" if not left else ", ".join(left[:3])))
+    return out
+
+
+async def _stuck(rt: Runtime, host: str, timeout_s: float) -> str:
+    """Wait for the record's ``stuck``; answers its reason."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = (await rt.ledger.read_record(host)).state
+        if record is not None and record.move is not None and record.move.state == "stuck":
+            return record.move.reason
+        if record is not None and record.move is None:
+            return ""
+        await asyncio.sleep(0.5)
+    return ""
+
+
+async def rehearse(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, scenario: str,
+                   out: Callable[[str], None]) -> Outcome:
+    """Run ``scenario`` from ``ie`` (the source box) to ``uk`` (the target) with the services as processes."""
+    root = rt.settings.root
+    deployment = await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng, clock=rt.clock)
+    ok, why = CgroupTree.discover(ie.label, deployment=deployment, clock=rt.clock).strict_available()
+    if not ok:
+        return Outcome(scenario, "", "", "", False, why=f"this machine cannot spawn strictly ({why})")
+    for box in (ie, uk):
+        await rt.store.create_bucket(region_bucket(box.region), versioned=True)
+    token = rt.rng.token_bytes(32).hex()
+    env = service_env(info, root=root, bucket=rt.settings.bucket, extra={
+        "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"rehearse={token_digest(token)}"})
+    door_url = f"http://127.0.0.1:{free_port()}"
+    logs = root / "logs"
+    procs = [ServiceProc.serve("door", env, logs / "door.log", "--port", door_url.rsplit(":", 1)[1]),
+             ServiceProc.serve("recovery", env, logs / "recovery.log")]
+    procs += [ServiceProc.serve("box", env, logs / f"box-{b.label}.log", "--label", b.label) for b in (ie, uk)]
+    for proc in procs:
+        proc.start()
+    out(f"   services up: door at {door_url}, recovery, the agents of {ie.label} and {uk.label} (logs in {logs}/)")
+    switch_dir = Path(tempfile.mkdtemp(prefix="hostmove-switch-"))
+    os.chmod(switch_dir, 0o755)  # the instance's user reads the switch (services.box.instance.sandbox)
+    switch = switch_dir / "fail-ready"
+    try:
+        return await _scenario(rt, ie, uk, scenario, door_url, token, procs[0], switch, out)
+    except TimeoutError as exc:
+        return Outcome(scenario, "", "", "", False, why=f"{exc}; the services' logs are in {logs}/")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        switch.unlink(missing_ok=True)
+        switch_dir.rmdir()
+
+
+async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_url: str, token: str,
+                    door_proc: ServiceProc, switch: Path, out: Callable[[str], None]) -> Outcome:
+    environ = {move_cli.ENV_URL: door_url, move_cli.ENV_TOKEN: token}
+    async with aiohttp.ClientSession() as session:
+        door = move_cli.DoorClient(move_cli.DoorConfig(door_url, token), session)
+        await _door_up(door_url, door_proc)
+        host = f"{scenario.split('-')[0]}-{rt.rng.token_bytes(3).hex()}.example.com"
+        manifest, files = load_manifest(RELEASE_MANIFEST, name="moveprobe", env=release_env(
+            scenario, ie.region, uk.region, switch if scenario == "stuck-retry" else None))
+        release, _ref = await publish(rt.store, rt.settings.bucket, manifest, files, clock=rt.clock, rng=rt.rng)
+        out(f"   published moveprobe as release {release.label}, its fail switch: "
+            f"{ {k: v for k, v in release_env(scenario, ie.region, uk.region, switch).items() if 'FAIL' in k} }")
+        created = await door.create(host, ie.label, app=release.name, release=release.release)
+        if not created.ok:
+            return Outcome(scenario, host, "", "", False, why=f"{host} was not created: {created.reason}")
+        port = await _until(lambda: read_endpoint(ie.box_dir, host), f"{host} serving on {ie.label}", 60)
+        seqs = [await asyncio.to_thread(post_write, port, f"order-{i}") for i in range(WRITES)]
+        out(f"   {host} serves on {ie.label}; {WRITES} acknowledged writes (seq {seqs[0]}..{seqs[-1]})")
+        if scenario == "stuck-retry":
+            switch.touch(mode=0o644)
+            out(f"   the fail switch is on ({switch} exists): {uk.region} and {ie.region} both fail readiness now")
+        out(f"   hostmove move --host {host} --to {uk.region}")
+        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=True, until="closed",
+                                  timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
+        code = await move_cli.run(args, environ=environ)
+        stuck_first = False
+        if scenario == "stuck-retry":
+            reason = await _stuck(rt, host, MOVE_TIMEOUT_S) if code == exitcodes.WAITING else ""
+            stuck_first = bool(reason)
+            out(f"   stuck: {reason or 'it was not'}")
+            if stuck_first:
+                switch.unlink()
+                out(f"   the cause is fixed ({switch} removed); hostmove move resolve --host {host} --retry")
+                resolve = argparse.Namespace(host=host, move_action="resolve", retry=True)
+                if await move_cli.run(resolve, environ=environ) != exitcodes.OK:
+                    return Outcome(scenario, host, "", "", True, why="resolve --retry was refused")
+                watch = argparse.Namespace(host=host, move_action="watch", until="closed", timeout=MOVE_TIMEOUT_S,
+                                           interval=0.5)
+                code = await move_cli.run(watch, environ=environ)
+        record = (await rt.ledger.read_record(host)).state
+        last_move = record.last_move if record is not None else None
+        move_id = last_move.id if last_move is not None else ""
+        ended = last_move.outcome if last_move is not None and record is not None and record.move is None else ""
+        out(f"   the move ended {ended or 'not closed'} (exit {code})")
+        last = await last_move_state(rt.events, host, move_id) if move_id else None
+        now = WallClock().now_ms()
+        lines = [t.line() for t in move_cli.timings(msgspec.to_builtins(last), now)] if last is not None else [
+            "the move's last state is not on the stream"]
+    if ended not in ("done", "rolled_back"):
+        return Outcome(scenario, host, move_id, ended, stuck_first, lines,
+                       [Check("the move ended done or rolled back", False, f"it ended {ended or 'not closed'}")])
+    served, left = (uk, ie) if ended == "done" else (ie, uk)
+    new_port = await _until(lambda: read_endpoint(served.box_dir, host), f"{host} serving on {served.label}", 60)
+    try:
+        after = await asyncio.to_thread(post_write, new_port, f"written on {served.label}")
+    except OSError as exc:  # urllib's HTTPError is one: the instance did not take the write
+        return Outcome(scenario, host, move_id, ended, stuck_first, lines,
+                       [Check(f"{host} takes writes on {served.label}", False, str(exc))])
+    out(f"   {host} takes writes on {served.label} (seq {after})")
+    root = rt.settings.root
+    shown = await checks(
+        events=rt.events, store=rt.store, host=host, port=new_port,
+        target_db=served.box_dir / "data" / f"{host}.db",
+        ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(left.region),
+        left_local=[left.box_dir / "data" / f"{host}.db", left.box_dir / "data" / host], once_after_ms=ONCE_AFTER_MS)
+    if scenario != "move" and ended == "rolled_back":
+        shown += await _history_checks(rt, host, move_id, "dirty-rollback" if scenario == "dirty-rollback"
+                                       else "clean-rollback", ie, uk)
+    return Outcome(scenario, host, move_id, ended, stuck_first, lines, shown)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def run(root: Path, scenario: str) -> int:
+    """``hostmove rehearse``: the embedded stack, two boxes, the scenario; exit 0 only when it ended as it must."""
+    if scenario not in SCENARIOS:
+        print(f"hostmove rehearse: --scenario must be one of {', '.join(SCENARIOS)}", file=sys.stderr)
+        return exitcodes.USAGE
+    root = root.resolve()
+    _say(f"1. The embedded stack under {root}/ ...")
+    info = stack_up(root)
+    rt = await open_runtime(settings_from_stack(info, root=root), "rehearse")
+    try:
+        choice = await choose_boxes(rt, root)
+        for why in choice.passed:
+            _say(f"   passed over {why}")
+        if len(choice.boxes) < 2:
+            _say(f"   no two regions can be used beside what this deployment holds; start clean: "
+                 f"`hostmove --root {root} stack down && rm -rf {root}`")
+            return exitcodes.FAILED
+        await init_deployment(root=root, store=rt.store, bucket=rt.settings.bucket, clock=rt.clock)
+        boxes = [await init_box(root=root, label=label, region=region, store=rt.store, bucket=rt.settings.bucket,
+                                events=rt.events, clock=rt.clock, actor=rt.actor) for label, region, _ in choice.boxes]
+        source, target = boxes
+        _say(f"2. Rehearsal {scenario}: {source.label} ({source.region}) to {target.label} ({target.region})")
+        shown = await rehearse(rt, info, source, target, scenario, _say)
+        return report(shown, _say)
+    finally:
+        await rt.close()
+
+
+def report(shown: Outcome, say: Callable[[str], None]) -> int:
+    """Print the outcome, the §13 timings and the §14.4 checks; the exit code."""
+    if shown.why:
+        say(f"   the rehearsal could not run: {shown.why}")
+        return exitcodes.FAILED
+    want, stuck = shown.expected
+    say(f"3. Outcome: {shown.ended or 'not closed'}{' after stuck and resolve --retry' if shown.stuck_first else ''}"
+        f" (the scenario must end {want}{' after stuck' if stuck else ''})")
+    say(f"4. The move {shown.move_id}: its §13 timings against their budgets")
+    for line in shown.timings:
+        say(f"   {line}")
+    say("5. The checks of §14.4:")
+    for c in shown.checks:
+        say(f"   {c.line()}")
+    say(f"Rehearsal {shown.scenario}: {'passed' if shown.ok else 'FAILED'}")
+    return exitcodes.OK if shown.ok else exitcodes.FAILED
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    rh = subparsers.add_parser("rehearse", help="rehearse a move, a clean or dirty rollback, or a stuck move retried "
+                                               "(§14.4) on the embedded stack",
+                               epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    rh.add_argument("--scenario", required=True, choices=SCENARIOS)
+
+
+__all__ = ["SCENARIOS", "Outcome", "add_parser", "rehearse", "release_env", "report", "run"]
