@@ -107,6 +107,7 @@ def execute(
 ) -> Result:
     """Run one world to its verdict under ``mutate`` (rules switched off)."""
     holder: list[World] = []
+    ended_at: list[float] = []
     error: str | None = None
     rules.reset_consulted()
 
@@ -115,6 +116,7 @@ def execute(
         holder.append(world)
         with world.ports():
             await drive(world, script)
+        ended_at.append(world.loop.time())
 
     with rules.mutated(mutate), _logs_into(holder):
         try:
@@ -142,6 +144,7 @@ def execute(
         "draws": sum(world.plan.draws.values()),
         "hosts": len(world.workload.hosts),
         "violations": len(violations),
+        "virtual_ms": int(1000 * ended_at[0]) if ended_at else 0,
         **world.extra_counters(),
     }
     keep = trace or bool(violations) or error is not None
