@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, NoReturn
 
 MAX_DEPTH = 128
@@ -104,50 +104,71 @@ def check_timestamp(value: int, path: str = "$") -> None:
         _fail("timestamp_safe_range", "a timestamp must be a non-negative safe integer", path)
 
 
-def _children(value: Any) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                _fail("string_keys", "object keys must be strings", "$")
-            yield k, v
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            yield str(i), v
+def _path(link: tuple[Any, Any, bool] | None) -> str:
+    """The path of a node from its chain of (parent link, key, parent is a map): built only when a check fails."""
+    parts: list[str] = []
+    while link is not None:
+        link, key, is_map = link
+        parts.append(f".{key}" if is_map else f"[{key}]")
+    return "$" + "".join(reversed(parts))
 
 
 def check_tree(value: Any) -> None:
     """Check a builtins tree (dicts, lists, str, int, float, bool, None) against the shape limits.
 
-    Iterative, so the check itself never recurses past ``MAX_DEPTH``.
+    Iterative, so the check itself never recurses past ``MAX_DEPTH``. The exact types a decoder or
+    ``to_builtins`` produces take the fast paths; a node's path is spelled out only when it fails.
     """
     nodes = 0
-    stack: list[tuple[Any, int, str]] = [(value, 1, "$")]
+    stack: list[tuple[Any, int, tuple[Any, Any, bool] | None]] = [(value, 1, None)]
+    pop, push, surrogate = stack.pop, stack.append, _SURROGATE.search
     while stack:
-        node, depth, path = stack.pop()
+        node, depth, link = pop()
         nodes += 1
         if nodes > MAX_NODES:
-            _fail("max_nodes", f"value has more than {MAX_NODES} nodes", path)
+            _fail("max_nodes", f"value has more than {MAX_NODES} nodes", _path(link))
         if depth > MAX_DEPTH:
-            _fail("max_depth", f"value is nested deeper than {MAX_DEPTH}", path)
-        if isinstance(node, str):
-            check_text(node, path)
-        elif isinstance(node, bool) or node is None:
+            _fail("max_depth", f"value is nested deeper than {MAX_DEPTH}", _path(link))
+        kind = type(node)
+        if kind is str:
+            if "\x00" in node or surrogate(node):
+                check_text(node, _path(link))
+        elif kind is int:
+            if not -MAX_SAFE_INTEGER <= node <= MAX_SAFE_INTEGER:
+                _fail("safe_integer", "integer outside the safe range", _path(link))
+        elif node is None or kind is bool:
+            pass
+        elif kind is dict:
+            for key, child in node.items():
+                if type(key) is not str:
+                    _fail("string_keys", "object keys must be strings", "$")
+                if "\x00" in key or surrogate(key):
+                    check_text(key, _path((link, key, True)))
+                push((child, depth + 1, (link, key, True)))
+        elif kind is list:
+            for i, child in enumerate(node):
+                push((child, depth + 1, (link, i, False)))
+        elif isinstance(node, str):
+            check_text(node, _path(link))
+        elif isinstance(node, bool):
             pass
         elif isinstance(node, int):
             if abs(node) > MAX_SAFE_INTEGER:
-                _fail("safe_integer", "integer outside the safe range", path)
+                _fail("safe_integer", "integer outside the safe range", _path(link))
         elif isinstance(node, float):
             if not math.isfinite(node):
-                _fail("finite_number", "non-finite number", path)
-        elif isinstance(node, Mapping | list | tuple):
-            is_map = isinstance(node, Mapping)
-            for key, child in _children(node):
-                child_path = f"{path}.{key}" if is_map else f"{path}[{key}]"
-                if is_map:
-                    check_text(key, child_path)
-                stack.append((child, depth + 1, child_path))
+                _fail("finite_number", "non-finite number", _path(link))
+        elif isinstance(node, Mapping):
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    _fail("string_keys", "object keys must be strings", "$")
+                check_text(key, _path((link, key, True)))
+                push((child, depth + 1, (link, key, True)))
+        elif isinstance(node, list | tuple):
+            for i, child in enumerate(node):
+                push((child, depth + 1, (link, i, False)))
         else:
-            _fail("plain_data", f"unsupported type {type(node).__name__}", path)
+            _fail("plain_data", f"unsupported type {type(node).__name__}", _path(link))
 
 
 def freeze(value: Any) -> Any:
