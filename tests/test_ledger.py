@@ -254,6 +254,26 @@ async def test_lost_history_gets_a_rebase_event(env: Env, unique: Callable[[str]
     assert any("rebased" in f.what for f in check.findings)
 
 
+async def test_a_read_of_the_bytes_last_read_is_not_decoded_again(
+    env: Env, unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every read is a GET; only bytes and metadata equal to the last ones read skip the validation (the same
+    frozen value), and a new version is validated from scratch."""
+    import services.ledger.ledger as ledger_module
+
+    host = host_name(unique, "cached")
+    ledger = env.ledger()
+    await ledger.transition("claim", host, "create", set_phase("a"))
+    first = await ledger.read_claim(host)
+    decoded: list[bytes] = []
+    monkeypatch.setattr(ledger_module, "decode", lambda data, cls: decoded.append(data) or decode(data, cls))
+    again = await ledger.read_claim(host)
+    assert again.state is first.state and again.etag == first.etag and decoded == []
+    await env.ledger().transition("claim", host, "moved-on", set_phase("b"))  # another process writes
+    fresh = await ledger.read_claim(host)
+    assert fresh.state is not None and fresh.state.op.phase == "b" and len(decoded) >= 1
+
+
 async def test_object_edited_behind_the_ledgers_back_is_refused(
     env: Env, unique: Callable[[str], str]
 ) -> None:

@@ -192,6 +192,10 @@ class Ledger:
         # subject -> (gen, seq) of the newest event this process saw on the stream. A hint only:
         # every publish is conditional on it, so a stale hint costs a retry, never a gap.
         self._published: dict[str, tuple[int, int]] = {}
+        # (obj, host) -> the bytes and metadata last read and what they validated to. Reads stay fresh (every read
+        # is a GET); only the decoding of bytes already decoded is skipped: the same bytes and metadata give the same
+        # frozen value, and anything else is validated from scratch.
+        self._decoded: dict[tuple[str, str], tuple[bytes, str | None, str | None, Any, EventMeta | None]] = {}
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -210,7 +214,13 @@ class Ledger:
             if len(got.body) > MAX_OBJECT_BYTES:  # before anything decodes it
                 raise DurableValueError("decode_failed", "max_bytes",
                                         f"the {obj} of {host} is {len(got.body)} bytes; at most {MAX_OBJECT_BYTES}")
-            return Current(self._validate(obj, host, got), got.etag, got.version_id, self._meta(got), got.body)
+            sha, raw_meta = got.metadata.get(META_SHA), got.metadata.get(META_EVENT)
+            seen = self._decoded.get((obj, host))
+            if seen is not None and seen[0] == got.body and seen[1] == sha and seen[2] == raw_meta:
+                return Current(seen[3], got.etag, got.version_id, seen[4], got.body)
+            state, meta = self._validate(obj, host, got), self._meta(got)
+            self._decoded[(obj, host)] = (got.body, sha, raw_meta, state, meta)
+            return Current(state, got.etag, got.version_id, meta, got.body)
         except DurableValueError as exc:
             raise BadObject(exc, obj=obj, host=host, key=key, etag=got.etag, size=len(got.body)) from None
 
