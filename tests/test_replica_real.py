@@ -548,3 +548,31 @@ async def test_pinned_version_is_the_root_only_when_no_successor_is_current(
     with pytest.raises(RestoreRefused) as err:
         await restore_generation(s3, bucket, location, "mv_pin", tmp_path / "none.db", pinned=manifest.pinned_root())
     assert err.value.reason == "no_root" and manifest.snapshot_version in str(err.value)
+
+
+async def test_an_idle_sync_loop_lists_nothing_and_compacts_after_an_upload(tmp_path: Path) -> None:
+    """Only the writer adds files to its generation: a round that uploaded nothing has nothing to merge, so the loop
+    lists the generation for its compactions only after an upload (and in its first round)."""
+    from services.objstore.memory import MemoryStore
+
+    store, bucket = MemoryStore(), "replica-memory"
+    await store.create_bucket(bucket)
+    db = tmp_path / "a.db"
+    app = app_db(db)
+    write_rows(app, 1, 10)
+    location = f"instances/idle.example/{'ab' * 32}"
+    rep = await Replicator.open(store, bucket, location, "", db, ManualClock())
+    stop = asyncio.Event()
+    loop = asyncio.ensure_future(rep.run(stop, interval_s=0.01, compact_after=2))
+    await asyncio.sleep(0.2)
+    listed = store.faults.calls["list_keys"]
+    await asyncio.sleep(0.2)  # idle rounds
+    assert store.faults.calls["list_keys"] == listed, "an idle round lists nothing"
+    write_rows(app, 11, 10)
+    await asyncio.sleep(0.2)
+    assert store.faults.calls["list_keys"] > listed
+    assert any(f.level == 1 for f in await list_generation(store, bucket, GenerationScope(location, ""))), (
+        "the upload's round compacted the two level-0 files")
+    stop.set()
+    await loop
+    await rep.close()

@@ -471,12 +471,16 @@ class Replicator:
         and retention; every ``checkpoint_every`` syncs, a checkpoint. Store failures are logged and
         retried on the next tick (the pending file keeps its bytes); nothing acts on a failed read."""
         tick = 0
+        settled = False  # the ladder is compacted as far as its files allow, and nothing was uploaded since
         while not stop.is_set():
             tick += 1
             try:
-                await self.sync()
-                for level in range(1, max_level + 1):
-                    await self.compact(level, min_inputs=compact_after)
+                if await self.sync() is not None:
+                    settled = False
+                if not settled:  # only this writer adds files to its generation: no upload, nothing to merge
+                    for level in range(1, max_level + 1):
+                        await self.compact(level, min_inputs=compact_after)
+                    settled = True
                 if snapshot_every and tick % snapshot_every == 0:
                     await self.snapshot()
                     await self.enforce_retention(keep_snapshots=keep_snapshots)
