@@ -199,6 +199,33 @@ async def test_the_acknowledgement_waits_for_evidence_plus_h(
     assert isinstance(await fast.park_scope(host=host, op=MV, kind="park-staging", scope=scope_of(host)), Acknowledged)
 
 
+async def test_a_waiting_park_touches_nothing_again_until_its_horizon() -> None:
+    """Every pass of a host calls its waiting parks (a scan's pass each minute, for the 17 minutes of H): a call
+    before the horizon answers the Waiting of the call that parked, without a request; the first call after it lists,
+    parks what landed late and acknowledges; a new process (another Parker) replays from the manifests."""
+    from services.objstore.memory import MemoryStore
+
+    store, bucket, host = MemoryStore(), "memo-bucket", "memo.example"
+    await store.create_bucket(bucket)
+    prefix = f"instances/{host}/{INC}/"
+    await seed(store, bucket, prefix)  # type: ignore[arg-type]
+    clock = ManualClock(EVIDENCE + 1_000)
+    parker = Parker(store, bucket, clock)
+    first = await parker.park_scope(host=host, op=MV, kind=KIND, scope=scope_of(host))
+    assert isinstance(first, Waiting)
+    await store.put(bucket, prefix + "0001/late.ltx", b"landed after the park")
+    requests = sum(store.faults.calls.values())
+    clock.advance(EVIDENCE + H - clock.now_ms())  # at the horizon, not later than it
+    assert await parker.park_scope(host=host, op=MV, kind=KIND, scope=scope_of(host)) == first
+    assert sum(store.faults.calls.values()) == requests, "a call before the horizon sends no request"
+    replayed = await Parker(store, bucket, clock).park_scope(host=host, op=MV, kind=KIND, scope=scope_of(host))
+    assert isinstance(replayed, Waiting) and replayed.events == (f"{KIND}-1", f"{KIND}-2"), "a new process lists"
+    clock.advance(1)
+    done = await parker.park_scope(host=host, op=MV, kind=KIND, scope=scope_of(host))
+    assert isinstance(done, Acknowledged) and done.events == (f"{KIND}-1", f"{KIND}-2")
+    assert [e.key for e in await store.list_versions(bucket, prefix)] == [prefix + "lock.json"]
+
+
 async def test_a_late_completion_is_parked_by_the_verification_listing(
     parts: tuple[S3Store, NatsEventLog, str], unique: Callable[[str], str]
 ) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
@@ -239,6 +239,8 @@ class Parker:
     clock: Clock
     timing: ParkTiming = PRODUCTION
     faults: Callable[[str], None] | None = None
+    _waiting: dict[tuple[str, str, str, str | None, Scope], Waiting] = field(default_factory=dict, repr=False)
+    """What this process's last call of a scope answered while its horizon has not passed (see :meth:`park_scope`)."""
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -254,6 +256,16 @@ class Parker:
         except msgspec.DecodeError as exc:
             raise ParkError(f"the park manifest {key} is unreadable ({exc}); nothing was deleted") from None
 
+    def waiting(self, *, host: str, op: str, kind: str, scope: Scope, generation: str | None = None) -> Waiting | None:
+        """What :meth:`park_scope` answers now without a request: the Waiting of this process's last call of the
+        scope while its horizon has not passed (see there), else None (the park must run)."""
+        key = (host, op, kind, generation, scope)
+        waited = self._waiting.pop(key, None)
+        if waited is None or scope.evidence_at is None or self.clock.now_ms() >= waited.until:
+            return None
+        self._waiting[key] = waited
+        return waited
+
     async def park_scope(self, *, host: str, op: str, kind: str, scope: Scope,
                          generation: str | None = None) -> ParkOutcome:
         """Park everything under ``scope.location`` (with ``generation``: only that generation's prefixes in it,
@@ -264,6 +276,16 @@ class Parker:
         if scope.evidence_at is None:
             raise ParkError(f"the {kind} scope of {host} has no evidence time; a park never starts its own horizon")
         deadline = scope.evidence_at + self.timing.horizon_ms(scope)
+        # A call that answered Waiting had replayed every event's deletion set and listed the scope empty. Until
+        # the horizon passes, another call could only replay those deletions (no-ops) and list again: empty, or a
+        # late completion it would park as a further event. Nothing acknowledges before a listing later than the
+        # horizon, which lists (and parks) whatever landed meanwhile, so the calls in between (every scan's pass
+        # of the host, every minute while the park waits some 17 minutes) answer the same Waiting and touch
+        # nothing. In memory only: a restarted agent replays from the manifests.
+        memo_key = (host, op, kind, generation, scope)
+        waited = self.waiting(host=host, op=op, kind=kind, scope=scope, generation=generation)
+        if waited is not None:
+            return waited
         events: list[str] = []
         n = 1
         while True:
@@ -289,9 +311,11 @@ class Parker:
                              extra=ctx(host=host, op_id=op, phase="park", park=kind, events=len(events),
                                        location=scope.location))
                     return Acknowledged(tuple(events), listed_at)
-                return Waiting(tuple(events), deadline + 1,
-                               f"waiting for the late-completion horizon: the scope is empty, but a request signed "
-                               f"before the evidence could still land until {utc_text(deadline)}")
+                waiting = Waiting(tuple(events), deadline + 1,
+                                  f"waiting for the late-completion horizon: the scope is empty, but a request "
+                                  f"signed before the evidence could still land until {utc_text(deadline)}")
+                self._waiting[memo_key] = waiting
+                return waiting
             await self._run_event(plan)
             events.append(event)
             n += 1

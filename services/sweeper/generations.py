@@ -37,6 +37,13 @@ from services.move.park import Acknowledged, Parker, ParkError
 log = logging.getLogger("hostmove.sweeper")
 
 
+class NoRead:
+    """No claim given: :meth:`GenerationParks.run` reads it."""
+
+
+NO_READ = NoRead()
+
+
 def event_kind(chore: Obligation) -> str:
     """The chore's retirement events are ``park-generation.<generation>-<n>``: one destination per event (D5)."""
     return f"{chore.kind}.{chore.generation or '@root'}"
@@ -63,12 +70,14 @@ class GenerationParks:
     events: EventLog | None = None
     retry_ms: int = 1000
 
-    async def run(self, host: str) -> ChoresReport:
-        """Run every chore this box owes for ``host``, each from a fresh claim read."""
+    async def run(self, host: str, claim: Claim | None | NoRead = NO_READ) -> ChoresReport:
+        """Run every chore this box owes for ``host``, each from a fresh claim read. ``claim``: the claim the caller
+        has just read, to find the chores by (each chore still reads the claim again before it touches anything)."""
         did: list[str] = []
         retired: list[str] = []
         wakes: list[int] = []
-        claim = (await self.ledger.read_claim(host)).state
+        if isinstance(claim, NoRead):
+            claim = (await self.ledger.read_claim(host)).state
         for chore in pending_generation_chores(claim, self.box):
             line, wake, done = await self._one(host, chore)
             did.append(line)
@@ -81,6 +90,11 @@ class GenerationParks:
     async def _one(self, host: str, chore: Obligation) -> tuple[str, int | None, bool]:
         gen = chore_generation(chore)
         name = gen or "origin"
+        if chore.scope is not None:  # its park waits for the horizon and touches nothing before it (Parker.waiting)
+            waiting = self.parker.waiting(host=host, op=chore.op, kind=event_kind(chore), scope=chore.scope,
+                                          generation=gen)
+            if waiting is not None:
+                return f"park-generation {name}: {len(waiting.events)} event(s); {waiting.reason}", waiting.until, False
         claim = (await self.ledger.read_claim(host)).state  # K5: the claim right before anything is touched
         if claim is None or chore not in claim.obligations:
             return f"park-generation {name}: already acknowledged", None, False
