@@ -96,7 +96,11 @@ SIM_APP = AppSpec(argv=["sim-instance"], env=lambda host, data_dir, port, region
     ready_within_s=20)
 AGENT_TIMING = AgentTiming(scan_s=60.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=30.0, within_s=3600.0, max_passes=400),
-    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0, idle_s=IDLE_S)
+    probe=PROBE_PRODUCTION, sync_interval_s=30.0, timer_tick_s=60.0, max_steps=40, sweep_s=300.0, idle_s=IDLE_S,
+    retention_ms=3_600_000)
+CHORE_DUE_MS = parking.PRODUCTION.signature_age_ms + 120_000 + 2 * 60_000 + 600_000
+"""A park-generation chore is acknowledged within this of its publication: the horizon ``H`` (15 min + 120 s), two
+scans, and ten minutes for the agent's backoff after a fault (the calm phase waits for it)."""
 FAILPOINT_P = 0.01
 DISK_LOST_P = 0.5
 TERMINATED_P = 0.3
@@ -444,6 +448,8 @@ class MoveWorld(World):
         self.cut: set[tuple[str, int]] = set()
         self.aborted: set[tuple[str, int]] = set()
         self.ended: dict[str, str] = {}  # move id -> outcome, every move that ended
+        self.chores_seen: dict[str, set[tuple[str, str, str]]] = {}  # the park-generation chores each claim holds
+        self.generations_retired = 0  # park-generation chores acknowledged (issue 16)
         self.move_of: dict[tuple[str, int], str] = {}  # (host, nth) -> the move id the status showed for it
         """The replicators of dead agents, kept referenced until the run ends: a garbage-collected SQLite connection
         closes, and the last one to close checkpoints the WAL into the database, at a moment the collector picks (it
@@ -502,6 +508,11 @@ class MoveWorld(World):
             (files / "instance.key").write_bytes(self.plan.token(f"key.{inst.host}", 16))
         if not (files / "timers.json").exists():  # and declares its schedule (the agent converges it, §9.4)
             (files / "timers.json").write_text(f'{{"schedules": [{{"name": "tick", "every_s": {TICK_EVERY_S}}}]}}')
+        if inst.fail_ready == "after-write":  # moveprobe's after-write boot commits a row, acknowledged (§14.4)
+            seq = inst.write(f"probe-{inst.pid}", self.clock.now_ms())
+            self.acks.append(Ack(inst.host, inst.box, inst.writer_session, inst.app_session, seq, f"probe-{inst.pid}",
+                                 self.loop.time()))
+            self.trace.emit(inst.box, f"{inst.host} pid {inst.pid} wrote before failing its readiness (seq {seq})")
 
     def _instance_stopped(self, inst: SimInstance, why: str) -> None:
         proc = self.instances.pop(inst.pid, None)
@@ -660,6 +671,10 @@ class MoveWorld(World):
                 self.records[record.host] = record
                 if record.last_move is not None:
                     self.ended[record.last_move.id] = record.last_move.outcome
+                    self.closed_at.setdefault(record.last_move.id, self.loop.time())
+                rb = record.move.rollback if record.move is not None else None
+                if rb is not None and rb.target_phase == "released":  # the target's verdict (§7.8)
+                    self.verdicts[rb.id] = "dirty" if rb.dirty else "clean"
                 move = record.move
                 if move is not None and move.committed_at is not None and move.cut_deadline is not None \
                         and move.committed_at > move.cut_deadline:
@@ -716,9 +731,13 @@ class MoveWorld(World):
         return out
 
     async def final_oracle(self) -> None:
+        self._move_liveness()
+        if self.checker.violations:
+            return
         await super().final_oracle()
         self._protocol()
         await self._inv10()
+        self._bounded()
         # Replication is asynchronous (§5.1): a write is acknowledged after its local commit and uploaded by the
         # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged
         # before it; the edge keeps writing, and its last writes are the serving form's alone.
@@ -903,6 +922,8 @@ class MoveWorld(World):
         return {"moves_asked": len(self.asked), "moves_done": ended.count("done"),
                 "moves_aborted": ended.count("aborted"),
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
+                "rollbacks_dirty": list(self.verdicts.values()).count("dirty"),
+                "rollbacks_clean": list(self.verdicts.values()).count("clean"),
                 "reboots": self.reboots, "disks_lost": self.disks_lost,
                 "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats,
                 "idle_stops": self.idle_stops, "wake_requests": self.wake_requests,

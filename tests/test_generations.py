@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from services.move.park import FAST, Parker, destination
 from services.objstore.s3 import S3Store
 from services.sweeper.generations import GenerationParks, event_kind
 from services.sweeper.retention import RetentionSweep
+from services.sweeper.straggler import StragglerSweep
 from tests.helpers.cgtest import TEST_DEPLOYMENT
 
 INC = "ef" * 32
@@ -377,3 +378,105 @@ def test_the_audit_flags_a_retirement_of_a_live_baseline() -> None:
         queued = msgspec.structs.replace(base, obligations=(chore(live),))
         found = findings(base, queued, base)
         assert len(found) == 2 and "was queued" in found[0] and "was acknowledged" in found[1], found
+
+
+def sweeper(w: World, ctx: BoxContext) -> StragglerSweep:
+    sweep = StragglerSweep(ctx.label, ctx.region, w.ledger, Parker(w.store, ctx.data_bucket, WallClock(), timing=FAST),
+                           WallClock(), events=w.events, retention_ms=3_600_000)
+    sweep.every_ms = 0
+    return sweep
+
+
+async def until_acknowledged(run: Callable[[], Awaitable[object]], done: Callable[[], Awaitable[bool]],
+                             timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await done():
+        assert loop.time() < deadline, "the sweep did not finish"
+        await run()
+        await asyncio.sleep(0.2)
+
+
+async def test_the_at_rest_sweep_parks_every_location_and_lane_of_the_host(world: World,
+                                                                           unique: Callable[[str], str]) -> None:
+    """Item 6, the namespace and staging sweeps: in a region the host is not served in, every location of the host
+    (its own, an older incarnation's) and every staging lane no operation owns is queued as a park-sweep with its
+    scope, parked by exact versions after the horizon and acknowledged; the records whose predecessors were there are
+    covered (CoverParkedPredecessors)."""
+    ie, uk = world.box("ie-n", "ie"), world.box("uk-n", "uk")
+    host = await setup_host(world, unique, ie)
+    act = world.activator(ie)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    claim = await world.claim(host)
+    assert claim.holder is not None
+    bucket = world.buckets["uk"]
+    loc = claim.holder.location.rstrip("/")
+    residue = [f"{loc}/0000/0000000000000001-0000000000000001.ltx",  # the origin, the first record's predecessor
+               f"instances/{host}/{'ab' * 32}/g-wold/0000/0000000000000001-0000000000000001.ltx",
+               f"moves/{host}/mv_{'x' * 26}/replica/0000/0000000000000001-0000000000000001.ltx"]
+    for key in residue:
+        await world.store.put(bucket, key, b"late")
+    # a record whose predecessor is in uk: the sweep of the location covers it
+    def uk_pred(c: Claim) -> Claim:
+        assert c.holder is not None
+        last = msgspec.structs.replace(c.holder.admissions[-1], predecessor_region="uk", covered=False)
+        return msgspec.structs.replace(c, holder=msgspec.structs.replace(
+            c.holder, admissions=(*c.holder.admissions[:-1], last)))
+
+    await replace_claim(world, host, "test-uk-predecessor", uk_pred)
+    sweep = sweeper(world, uk)
+
+    async def clean() -> bool:
+        c = await world.claim(host)
+        return not c.obligations and all([not await world.store.list_versions(bucket, k) for k in residue])
+
+    first = await sweep.look(host, await world.claim(host))
+    queued = await world.claim(host)
+    assert len([o for o in queued.obligations if o.kind == "park-sweep"]) == 3 or "acknowledged" in first.did, first
+    assert all(o.scope is not None and o.scope.evidence_at for o in queued.obligations)
+    assert queued.holder is not None and queued.holder.admissions[-1].covered, "CoverParkedPredecessors"
+
+    async def again() -> object:
+        return await sweep.look(host, await world.claim(host))
+
+    await until_acknowledged(again, clean)
+    ie_keys = await world.store.list_keys(world.buckets["ie"], loc + "/")
+    assert ie_keys, "the serving region's live location is untouched"
+
+
+async def test_the_serving_region_sweep_retires_dead_generations_only(world: World,
+                                                                      unique: Callable[[str], str]) -> None:
+    """Item 6, the serving region's dead generations: a dead generation's late object (no chore names it any more) is
+    queued as a park-generation and retired; the current generation, the one generation.json names and an uncovered
+    record's baseline are never touched; a marker off the admitted chain touches nothing."""
+    ctx = world.box("ie-d")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    for _ in range(3):
+        assert isinstance(await act.wake(host), Started)
+        await act.stop(host)
+        await retire_all(world, ctx, host)
+    claim = await world.claim(host)
+    holder = claim.holder
+    assert holder is not None
+    bucket, loc = ctx.data_bucket, holder.location.rstrip("/")
+    late = f"{loc}/g-wlate0001/0000/0000000000000002-0000000000000002.ltx"
+    await world.store.put(bucket, late, b"a late upload into a retired generation")
+    sweep = sweeper(world, ctx)
+    report = await sweep.serving(host, await world.claim(host))
+    assert "dead generations queued: wlate0001" in report.did, report
+    assert await retire_all(world, ctx, host) == ["wlate0001"]
+    assert await world.store.list_versions(bucket, late) == []
+    current = await versions_of(world, bucket, holder.location, holder.generation)
+    assert current > 0, "the current generation is live"
+
+    # generation.json off the chain: nothing is touched
+    await world.store.put(bucket, late, b"again")
+    marker = await world.store.get(bucket, f"{loc}/generation.json")
+    assert marker.__class__.__name__ == "Got"
+    await world.store.put(bucket, f"{loc}/generation.json", marker.body.replace(  # type: ignore[union-attr]
+        holder.generation.encode(), b"wstranger"))
+    report = await sweep.serving(host, await world.claim(host))
+    assert "touches nothing" in report.did or "nothing swept" in report.did, report
+    assert await world.store.list_versions(bucket, late), "nothing was queued or parked"

@@ -229,7 +229,7 @@ class BoxAgent:
                                     self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
-            retention_ms=self.timing.retention_ms)
+            retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))
         self._sweep_next: dict[str, float] = {}
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
@@ -517,6 +517,9 @@ class BoxAgent:
                 chores = await self.sweeper.generations.run(host)
                 out.did += list(chores.did)
                 out.did += await self.sweeper.retention.look(host, claim, record)
+                swept = await self.sweeper.serving(host, claim)  # its own region at rest (§6.4), on its cadence
+                if swept.did:
+                    out.did.append(swept.did)
                 await self.activator.flush_alerts()
             if claim.op.kind == "serving":
                 if claim.op.exec == self.label and CLEAR_FAILED in claim.op.journal:
