@@ -186,7 +186,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from kernel.failpoints import Failpoints
     from kernel.timetext import utc_text
     from services.agent.config import BoxConfigError, load_box
-    from services.agent.service import PROFILES, BoxAgent, idle_override
+    from services.agent.service import PROFILES, BoxAgent, idle_override, prepare_override
     from services.box.instance.agentcg import box_session
     from services.box.instance.proctree import CgroupTree
     from services.box.roster import ensure_deployment
@@ -204,6 +204,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         return 2
     try:
         timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
+        timing = prepare_override(timing, os.environ.get("HOSTMOVE_PREPARE_BOUND_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
@@ -214,6 +215,20 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         log.error("hostmove serve box: box %s was fenced at %s (%s); a fenced box never acts again: enroll a "
                   "replacement under a new label", label, utc_text(fenced[0].fenced_at), fenced[0].evidence,
                   extra=ctx(box=label, reason="fenced"))
+        return 2
+    from services.box.artifacts.sealing import SealError
+    from services.box.deployment import below_floor, read_floor
+
+    below = below_floor(await read_floor(rt.store, rt.settings.bucket))  # §11, rule floor-boot-recovery
+    if below is not None:
+        log.error("hostmove serve box: box %s refuses at boot to take part in moves: %s; install a release at or "
+                  "above the floor (control/moves-protocol.json)", label, below, extra=ctx(box=label, reason=below))
+        return 2
+    try:
+        cfg.secrets_key()
+    except SealError as exc:  # §10: a box without the deployment's key cannot open an instance's secrets
+        log.error("hostmove serve box: box %s holds no usable secrets key (%s); install the deployment's key with "
+                  "hostmove box init --secrets-key", label, exc, extra=ctx(box=label, reason=exc))
         return 2
     tree = CgroupTree.discover(label, deployment=await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng,
                                clock=rt.clock), clock=rt.clock, journal=cfg.box_dir / "spawns")

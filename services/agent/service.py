@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from bus.facts import Fact, publish_alert
 from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
+from events.record import Record
 from kernel import ports
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
@@ -95,9 +96,12 @@ from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.generations import ChoresReport
 from services.sweeper.straggler import StragglerSweep, SweepReport
+from services.target.budget import Rates
+from services.target.observe import TargetObserver
 from services.target.probe import FAST as PROBE_FAST
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeTiming
+from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
 log = logging.getLogger("hostmove.agent")
@@ -164,6 +168,21 @@ def idle_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     if not 0 < idle_s < float("inf"):
         raise ValueError(f"HOSTMOVE_IDLE_S must be a positive number of seconds or 'never', not {text!r}")
     return replace(timing, idle_s=idle_s)
+def prepare_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_PREPARE_BOUND_S``: seconds a move may stay preparing before the source aborts it (§7.11, the §13
+    prepare budget); unset keeps the profile's. Anything else is refused with the reason."""
+    if text is None or not text.strip():
+        return timing
+    try:
+        bound = float(text)
+    except ValueError:
+        bound = -1.0
+    if not 0 < bound < float("inf"):
+        raise ValueError(f"HOSTMOVE_PREPARE_BOUND_S must be a positive number of seconds, not {text!r}")
+    move = replace(timing.move, source=replace(timing.move.source, prepare_bound_s=bound))
+    return replace(timing, move=move)
+
+
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
 
 
@@ -225,8 +244,14 @@ class BoxAgent:
             ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key,
             launch=self.apps.launch if self.apps is not None else sample_launch,
             ready_url=self._ready_url, recovery_policy=self.timing.recovery), self.timing.move, faults=faults)
-        self.target = TargetRunners(deployment, TargetSide(self.landing, embedded_facts(cfg.label, key)),
-                                    self.timing.move, faults=faults)
+        facts: BoxFacts | Callable[[str], Awaitable[BoxFacts]] = embedded_facts(cfg.label, key)
+        if self.apps is not None:  # the readiness report observes this box (T1-T3, T7, T8, T11, T13; issue 18)
+            self.observer = TargetObserver(
+                label=cfg.label, region=cfg.region, store=store, bucket=bucket, apps=self.apps, secrets_key=key,
+                read_claim=self._read_claim, read_record=self._read_record, strict=tree.strict_available,
+                rates=self._rates, journal_dir=cfg.box_dir / ".moves")
+            facts = self.observer.facts
+        self.target = TargetRunners(deployment, TargetSide(self.landing, facts), self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
             retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))
@@ -251,6 +276,13 @@ class BoxAgent:
 
     async def _read_claim(self, host: str) -> Claim | None:
         return (await self.ledger.read_claim(host)).state
+
+    async def _read_record(self, host: str) -> Record | None:
+        return (await self.ledger.read_record(host)).state
+
+    async def _rates(self) -> Rates | None:
+        """T11's rates: the spec's worked example's (§7.3) until the box measures its own."""
+        return Rates(10, 250, 500)
 
     @property
     def instances(self) -> Instances:
@@ -517,9 +549,6 @@ class BoxAgent:
                 chores = await self.sweeper.generations.run(host)
                 out.did += list(chores.did)
                 out.did += await self.sweeper.retention.look(host, claim, record)
-                swept = await self.sweeper.serving(host, claim)  # its own region at rest (§6.4), on its cadence
-                if swept.did:
-                    out.did.append(swept.did)
                 await self.activator.flush_alerts()
             if claim.op.kind == "serving":
                 if claim.op.exec == self.label and CLEAR_FAILED in claim.op.journal:
@@ -788,4 +817,4 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
 
 
 __all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
-           "idle_override", "read_endpoint"]
+           "idle_override", "prepare_override", "read_endpoint"]

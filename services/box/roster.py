@@ -244,31 +244,6 @@ async def publish_deployment_key(store: ObjectStore, bucket: str, key: PrivateKe
     return current
 
 
-def decide_publish_box(current: Roster | None, label: str, fp: str, protocol: int) -> Roster | None:
-    """A box's own publication at its agent's start (§10 "every box publishes", §11): its ``secrets_key_fp`` and
-    ``moves_protocol`` as it holds them now. None when nothing changed (or the box is not in the roster)."""
-    entry = current.box(label) if current is not None else None
-    if current is None or entry is None or entry.fenced_at is not None:
-        return None
-    if entry.secrets_key_fp == fp and entry.moves_protocol == protocol:
-        return None
-    fresh = msgspec.structs.replace(entry, secrets_key_fp=fp, moves_protocol=protocol)
-    return Roster(gen=current.gen + 1, boxes=tuple(fresh if b.label == label else b for b in current.boxes))
-
-
-async def publish_box(store: ObjectStore, bucket: str, label: str, fp: str, protocol: int = MOVES_PROTOCOL,
-                      attempts: int = 5) -> RosterBox | None:
-    """Write what :func:`decide_publish_box` decides (a CAS on the roster); answers the box's entry as it stands."""
-    for _ in range(attempts):
-        current, etag = await read_roster(store, bucket)
-        new = decide_publish_box(current, label, fp, protocol)
-        if new is None:
-            return current.box(label) if current is not None else None
-        if not isinstance(await store.put(bucket, ROSTER_KEY, canonical(new), if_match=etag), Lost):
-            return new.box(label)
-    raise RosterRefusal("the roster kept changing under this box's publication; try again")
-
-
 async def init_box(
     *,
     root: Path,

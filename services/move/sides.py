@@ -96,7 +96,8 @@ class TargetSide:
     key and the probe factory) and what it knows of itself for the readiness report (T1-T3, T7, T8, T11, T13)."""
 
     worker: LandingWorker
-    facts: BoxFacts
+    facts: BoxFacts | Callable[[str], Awaitable[BoxFacts]]
+    """Fixed facts, or the box's observer of them for a host (:class:`services.target.observe.TargetObserver`)."""
 
 
 @dataclass(frozen=True)
@@ -317,10 +318,11 @@ class TargetRunners:
         target is not ready, or ``""``."""
         tbox = self.side.worker.box
         source_store, source_bucket = self.d.regions(source_region)
+        facts = self.side.facts if isinstance(self.side.facts, BoxFacts) else await self.side.facts(host)
         report = await report_readiness(
             ledger=tbox.ledger, data_store=tbox.data_store, data_bucket=tbox.data_bucket, source_store=source_store,
             source_bucket=source_bucket, box=tbox.label, region=tbox.region, box_dir=tbox.box_dir,
-            private_key=tbox.private_key, facts=self.side.facts, host=host, clock=tbox.clock)
+            private_key=tbox.private_key, facts=facts, host=host, clock=tbox.clock)
         if report is None:
             return "the record carries no move to the target's region"
         if not report.ready:

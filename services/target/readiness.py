@@ -23,12 +23,20 @@ import msgspec
 from events.base import canonical
 from events.claim import Claim
 from events.record import Record
+from kernel import rules
 from kernel.ports import Clock, blocking
 from services.box.artifacts.archive import ArchiveError, extract
 from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
 from services.ledger.ledger import Ledger
 from services.objstore.port import Got, ObjectStore, StoreError
 from services.target.budget import DEFAULT_WINDOW_S, Budget, Rates, t11
+
+rules.register(
+    "readiness-key",
+    section="§7.3 T2, §10 (a box publishes secrets_key_fp; key-ready when it equals the console's)",
+    meaning="a target whose roster fingerprint is not the console's deployment key fails T2 and never becomes ready",
+    site="services/target/readiness.py assess (T2)",
+)
 
 Status = Literal["pass", "fail"]
 GIB = 1 << 30
@@ -67,9 +75,11 @@ class Observations:
     region: str
     protocol: int | None = None
     protocol_floor: int = 1
+    protocol_detail: str = ""  # T1: why this box is below the floor object (its release), when it is
     secrets_key_fp: str | None = None
     console_secrets_key_fp: str | None = None
-    environment_matches: bool | None = None  # T3 (HMAC comparison): not built in this system
+    key_detail: str = ""  # T2: why this box does not hold the deployment's key, when it does not
+    environment_matches: bool | None = None  # T3 (HMAC comparison, services.target.observe)
     environment_detail: str = ""
     storage_ok: bool | None = None  # T4
     storage_detail: str = ""
@@ -80,12 +90,15 @@ class Observations:
     replica_bytes: int = 0
     archive_bytes: int = 0
     release_staged: bool | None = None  # T7
+    release_detail: str = ""
     hosting_boxes: tuple[str, ...] = ()  # T8: the boxes publishing the target placement
+    hosting_detail: str = ""
     lane_ok: bool | None = None  # T10
     lane_detail: str = ""
     budget: Budget | None = None  # T11
     landing_armed: bool | None = None  # T13
     rollback_target_armed: bool | None = None
+    armed_detail: str = ""
     inputs: dict[str, str] = field(default_factory=dict)
 
 
@@ -101,12 +114,18 @@ def assess(obs: Observations, claim: Claim | None, record: Record | None, now_ms
     out: list[Check] = []
     if obs.protocol is None:
         out.append(_not_observed("T1", "the box's protocol version"))
+    elif obs.protocol_detail:
+        out.append(Check("T1", "fail", obs.protocol_detail))
     else:
         ok = obs.protocol >= obs.protocol_floor
         out.append(Check("T1", "pass" if ok else "fail",
                          "" if ok else f"this box speaks protocol {obs.protocol}, below the floor "
                                        f"{obs.protocol_floor}"))
-    if not obs.secrets_key_fp or not obs.console_secrets_key_fp:
+    if not rules.on("readiness-key"):
+        out.append(Check("T2", "pass"))
+    elif obs.key_detail:
+        out.append(Check("T2", "fail", obs.key_detail))
+    elif not obs.secrets_key_fp or not obs.console_secrets_key_fp:
         out.append(_not_observed("T2", "the secrets key fingerprint (the box's or the console's)"))
     else:
         ok = obs.secrets_key_fp == obs.console_secrets_key_fp
@@ -117,12 +136,12 @@ def assess(obs: Observations, claim: Claim | None, record: Record | None, now_ms
     out.append(_tri("T4", obs.storage_ok, "the storage probe", obs.storage_detail))
     out.append(_tri("T5", obs.archive_ok, "the newest archive", obs.archive_detail))
     out.append(_disk(obs))
-    out.append(_tri("T7", obs.release_staged, "the pinned release staged in the version store", ""))
+    out.append(_tri("T7", obs.release_staged, "the pinned release staged on this box", obs.release_detail))
     if obs.hosting_boxes == (obs.box,):
         out.append(Check("T8", "pass"))
     else:
-        out.append(Check("T8", "fail", f"{len(obs.hosting_boxes)} boxes publish the target placement, not exactly "
-                                       "this one"))
+        out.append(Check("T8", "fail", obs.hosting_detail or f"{len(obs.hosting_boxes)} boxes publish the target "
+                                                             "placement, not exactly this one"))
     out.append(_claim_check(obs, claim, record))
     out.append(_tri("T10", obs.lane_ok, "the return lane in the source's bucket", obs.lane_detail))
     if obs.budget is None:
@@ -139,7 +158,8 @@ def assess(obs: Observations, claim: Claim | None, record: Record | None, now_ms
         out.append(Check("T12", "pass"))
     armed = obs.landing_armed is True and obs.rollback_target_armed is True
     out.append(Check("T13", "pass" if armed else "fail",
-                     "" if armed else "this box does not report that it can land the move and roll it back"))
+                     "" if armed else "this box does not report that it can land the move and roll it back"
+                     + (f" ({obs.armed_detail})" if obs.armed_detail else "")))
     ready = all(c.status == "pass" for c in out)
     return TargetReport(v=1, host=record.host if record else "", move_id=move.id, box=obs.box, at=now_ms, ready=ready,
                         checks=tuple(out), t11_attempts=obs.budget.attempts if obs.budget else 0,
@@ -251,13 +271,21 @@ class BoxFacts:
     console_secrets_key_fp: str | None
     rates: Rates | None
     protocol_floor: int = 1
+    protocol_detail: str = ""
+    secrets_key_fp: str | None = None
+    """This box's fingerprint as the roster publishes it (None: the box's own key's, for a composition that
+    publishes none)."""
+    key_detail: str = ""
     environment_matches: bool | None = None
     environment_detail: str = ""
     release_staged: bool | None = None
+    release_detail: str = ""
     hosting_boxes: tuple[str, ...] = ()
+    hosting_detail: str = ""
     window_s: float = DEFAULT_WINDOW_S
     landing_armed: bool | None = None
     rollback_target_armed: bool | None = None
+    armed_detail: str = ""
 
 
 async def report_readiness(
@@ -301,14 +329,18 @@ async def report_readiness(
     free, total = await blocking(disk_usage, box_dir)
     obs = Observations(
         box=box, region=region, protocol=facts.protocol, protocol_floor=facts.protocol_floor,
-        secrets_key_fp=secrets_key_fp(private_key), console_secrets_key_fp=facts.console_secrets_key_fp,
+        protocol_detail=facts.protocol_detail,
+        secrets_key_fp=facts.secrets_key_fp if facts.secrets_key_fp is not None else secrets_key_fp(private_key),
+        console_secrets_key_fp=facts.console_secrets_key_fp, key_detail=facts.key_detail,
         environment_matches=facts.environment_matches, environment_detail=facts.environment_detail,
         storage_ok=storage_ok, storage_detail=storage_detail, archive_ok=archive_ok, archive_detail=archive_detail,
         disk_free_bytes=free, disk_total_bytes=total, replica_bytes=replica_bytes, archive_bytes=archive_bytes,
-        release_staged=facts.release_staged, hosting_boxes=facts.hosting_boxes, lane_ok=lane_ok,
+        release_staged=facts.release_staged, release_detail=facts.release_detail, hosting_boxes=facts.hosting_boxes,
+        hosting_detail=facts.hosting_detail, lane_ok=lane_ok,
         lane_detail=lane_detail,
         budget=t11(replica_bytes / (1 << 20), facts.rates, window_s=facts.window_s) if facts.rates else None,
         landing_armed=facts.landing_armed, rollback_target_armed=facts.rollback_target_armed,
+        armed_detail=facts.armed_detail,
     )
     report = assess(obs, claim, record, clock.now_ms())
     await write_report(ledger.store, ledger.bucket, report)

@@ -28,6 +28,7 @@ from services.apps.releases import load_manifest, publish, set_default_app
 from services.box.deployment import init_deployment
 from services.box.instance.proctree import CgroupTree
 from services.box.roster import ensure_deployment, init_box
+from services.door.decide import Floor
 from services.ledger import Ledger
 from services.objstore.port import ObjectStore
 from services.objstore.s3 import S3Store
@@ -141,7 +142,7 @@ async def data_buckets(stack: StackInfo, unique: Callable[[str], str],
 async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path, prefix: str, *, store: S3Store,
                       events: NatsEventLog, start: bool = True, extra: dict[str, dict[str, str]] | None = None,
                       app_env: dict[str, str] | None = None, agent_env: dict[str, str] | None = None,
-                      labels: dict[str, str] | None = None) -> AsyncIterator[AgentWorld]:
+                      labels: dict[str, str] | None = None, floor: Floor | None = None) -> AsyncIterator[AgentWorld]:
     """Two boxes under ``root`` registered in a fresh deployment bucket with its own identity, their agents
     started (unless ``start`` is False); on exit the agents are stopped by SIGTERM, every group of the world's boxes
     is drained and the deployment bucket dropped. The data buckets ``<prefix>-ie`` and ``<prefix>-uk`` belong to the
@@ -156,7 +157,7 @@ async def agent_world(stack: StackInfo, unique: Callable[[str], str], root: Path
     actor = Actor(service="test-agents", pid=os.getpid(), nonce="agents")
     ledger = Ledger(store, events, clock, actor, deploy)
     labels = dict(labels) if labels is not None else {"ie": unique("ie"), "uk": unique("uk")}
-    await init_deployment(root=root, store=store, bucket=deploy, clock=clock)
+    await init_deployment(root=root, store=store, bucket=deploy, clock=clock, floor=floor)
     for region, label in labels.items():
         await init_box(root=root, label=label, region=region, store=store, bucket=deploy, events=events, clock=clock,
                        actor=actor)
