@@ -138,6 +138,12 @@ COPY: dict[str, Copy] = _table(
     # -- apps and their releases (issue 18) ----------------------------------------------------------
     ("M-R43", "door", "There is no app named {app}, so {host} was not created. Publish it with hostmove app publish."),
     ("M-R44", "door", "{app} has no release {release} (its newest is {newest}). Nothing was changed."),
+    ("M-R41", "door",
+     "{host} keeps a sidecar environment file ({file}), which a move cannot carry. Fold it into the app's release "
+     "first."),
+    ("M-R42", "door",
+     "{host} runs {release}, which sets the registry columns {columns}; a move does not carry them. Publish a "
+     "release without them first."),
     # -- the door's answers and status lines ------------------------------------------------------
     ("M-S1", "door", "Cut requested for {host}. The source starts it once its checks are fresh."),
     ("M-S2", "door",

@@ -51,7 +51,8 @@ from events.ids import new_incarnation, new_op_id
 from events.record import Record
 from kernel.logctx import ctx
 from kernel.ports import Clock, Random
-from services.apps.releases import ReleaseError, list_releases, read_release
+from services.apps.manifest import Release
+from services.apps.releases import ReleaseError, list_releases, read_default_app, read_release
 from services.box.roster import Roster, read_roster
 from services.door.auth import Identity, TokenSet
 from services.door.decide import (
@@ -172,6 +173,21 @@ class Door:
             got = await self.ledger.store.get(self.ledger.bucket, FLOOR_KEY)
             return decode(got.body, Floor) if isinstance(got, Got) else None
 
+    async def app_release(self, host: str) -> tuple[AppRef, Release] | None:
+        """The release the host's incarnation runs (its claim's, else the deployment's default app), read by its
+        digest; None when the host names none (a move then refuses nothing of an app's declarations)."""
+        claim = await self.claim(host)
+        with reading(f"The app release of {host}"):
+            ref = claim.holder.app if claim is not None and claim.holder is not None else None
+            ref = ref or await read_default_app(self.ledger.store, self.ledger.bucket)
+            if ref is None:
+                return None
+            try:
+                release, ref, _body = await read_release(self.ledger.store, self.ledger.bucket, ref.name, ref=ref)
+            except ReleaseError as exc:
+                raise Unreadable(f"The app release of {host} ({exc})", corrupt=True) from None
+        return ref, release
+
     async def claim(self, host: str) -> Claim | None:
         with reading(f"The claim of {host}"):
             return (await self.ledger.read_claim(host)).state
@@ -189,10 +205,12 @@ class Door:
         roster = await self.roster()
         floor = await self.floor()
         record = await self.record(host)
+        release = await self.app_release(host)
         move_id = new_op_id("mv", self.rng)
         decide = functools.partial(
             decide_move_claim, host=host, record=record, roster=roster, floor=floor, request=request,
             move_id=move_id, operator=who.label, now_ms=self.clock.now_ms(), console=self.console_protocol,
+            release=release,
         )
         with reading(f"The claim of {host}"):
             out = await self.ledger.transition("claim", host, "move-request", decide,

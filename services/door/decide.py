@@ -21,9 +21,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from events.base import Durable, canonical
-from events.claim import Claim, Op
+from events.claim import AppRef, Claim, Op
 from events.copy import say
 from events.record import Move, Record
+from services.apps.manifest import Release
 from services.box.roster import MOVES_PROTOCOL, Roster, RosterBox
 from services.ledger.ledger import NoChange, Refusal
 
@@ -272,6 +273,22 @@ def check_floor(
     return None
 
 
+# -- what the app's release declares (§7.1, §6.1 F8, §6.2; issue 18) ------------------------------
+
+
+def release_refusal(release: Release, host: str) -> DoorRefusal | None:
+    """§7.1: a move is refused for an instance whose release declares a sidecar environment file (F8), a private
+    store bound to its environment (codex 12, F4: M-C17) or a registry column §6.2 refuses. Pure."""
+    if release.sidecar_env:
+        return refuse(409, "M-R41", host=host, file=f"{host}-sidecar.env")
+    if release.private_stores():
+        return refuse(409, "M-C17", host=host)
+    columns = release.refused_columns()
+    if columns:
+        return refuse(409, "M-R42", host=host, columns=", ".join(columns), release=release.label)
+    return None
+
+
 # -- the move request (K2) ------------------------------------------------------------------------
 
 
@@ -292,8 +309,10 @@ def decide_move_claim(
     operator: str,
     now_ms: int,
     console: int = CONSOLE_PROTOCOL,
+    release: tuple[AppRef, Release] | None = None,
 ) -> Claim | NoChange | DoorRefusal:
-    """K2: ``serving`` → ``moving`` with the target named in the same CAS (§7.1, L15).
+    """K2: ``serving`` → ``moving`` with the target named in the same CAS (§7.1, L15). ``release`` is the host's app
+    release as the door read it (§7.1's refusals of what the app declares: :func:`release_refusal`).
 
     A claim already ``moving`` for the same request answers :class:`NoChange`: the caller then
     finishes the record (a retry after a crash between the two CASes)."""
@@ -327,6 +346,12 @@ def decide_move_claim(
     below = check_floor(roster, (source.region, request.to), floor, host, console)
     if below is not None:
         return below
+    if release is not None:
+        if current.holder.app not in (None, release[0]):
+            return refuse(409, "M-R17", host=host)
+        declared = release_refusal(release[1], host)
+        if declared is not None:
+            return declared
     if record is not None:
         if record.move is not None:
             return refuse(409, "M-R15", host=host, move_id=record.move.id)
