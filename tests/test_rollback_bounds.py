@@ -13,7 +13,7 @@ from bus.subjects import FACTS_STREAM, incident_subject
 from events.claim import Admission, Claim, Holder, Op
 from events.envelope import Actor
 from events.ids import is_op_id, rollback_id
-from events.record import Move, MoveInputs, Record, Rollback
+from events.record import Move, MoveInputs, Record, ReturnSeal, Rollback
 from services.ledger.ledger import NoChange, Refusal
 from services.move import rollback
 from services.move.follow import claim_half
@@ -162,3 +162,20 @@ def test_an_incident_is_raised_once_by_any_number_of_raisers() -> None:
         assert len([m async for m in log.replay(FACTS_STREAM, subject=subject)]) == 1
 
     asyncio.run(go())
+
+
+def test_the_terminal_event_carries_every_timing_digest_and_reason() -> None:
+    from events.record import MoveLanding, MoveSource
+    from services.move.finalize import terminal_payload
+
+    rec = rolling(dirty=True, reason="the probe failed", recovered_at=40, opened_at=41, target_parked_at=42,
+                  seal=ReturnSeal(n=7))
+    assert rec.move is not None
+    move = msgspec.structs.replace(rec.move, cut_at=10, flipped_at=20, source=MoveSource(db_sha256="a" * 64),
+                                   landing=MoveLanding(installed_db_sha256="b" * 64))
+    out = terminal_payload(move)
+    assert out["timings"] == {"cut_at": 10, "flipped_at": 20, "recovered_at": 40, "rollback_opened_at": 41,
+                              "target_parked_at": 42}
+    assert out["digests"] == {"db_sha256": "a" * 64, "installed_db_sha256": "b" * 64}
+    assert out["rollback"] == {"id": RB, "dirty": True, "reason": "the probe failed", "evidence": "", "n": 7,
+                               "probe_failures": 0}

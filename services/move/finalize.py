@@ -36,7 +36,7 @@ import msgspec
 from bus.facts import Fact, publish_fact
 from bus.log import EventLog, LogError
 from events.claim import Claim, Obligation
-from events.record import LastMove, Record
+from events.record import LastMove, Move, Record
 from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
@@ -160,6 +160,28 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
     outcome: Literal["done", "rolled_back", "aborted"] = (
         "done" if ending[2] == "done" else "rolled_back" if ending[2] == "rolled_back" else "aborted")
     return msgspec.structs.replace(record, move=None, last_move=LastMove(id=move_id, outcome=outcome, at=now_ms))
+
+
+def terminal_payload(move: Move) -> dict[str, object]:
+    """What the terminal log event of a move carries (§7.8 "Finalization", §13 "Move log"): every timing, the digests
+    the cut and the landing recorded, the reason and, after a rollback, its id, verdict and seal's ``N'``. Pure."""
+    rb = move.rollback
+    timings = {k: v for k, v in (
+        ("requested_at", move.requested_at), ("ready_at", move.ready_at), ("cut_at", move.cut_at),
+        ("flipped_at", move.flipped_at), ("committed_at", move.committed_at), ("opened_at", move.opened_at),
+        ("source_parked_at", move.source_parked_at),
+        ("rollback_requested_at", rb.requested_at if rb else None), ("recovered_at", rb.recovered_at if rb else None),
+        ("rollback_opened_at", rb.opened_at if rb else None),
+        ("target_parked_at", rb.target_parked_at if rb else None)) if v is not None}
+    digests = {"db_sha256": move.source.db_sha256, "files_plain": move.source.files.plain,
+               "files_sealed": move.source.files.sealed, "timers_sha256": move.source.timers_sha256,
+               "installed_db_sha256": move.landing.installed_db_sha256}
+    out: dict[str, object] = {"from": move.from_, "to": move.to, "reason": move.reason, "timings": timings,
+                              "digests": {k: v for k, v in digests.items() if v}}
+    if rb is not None:
+        out["rollback"] = {"id": rb.id, "dirty": rb.dirty, "reason": rb.reason, "evidence": rb.evidence,
+                           "n": rb.seal.n if rb.seal is not None else None, "probe_failures": rb.probe_failures}
+    return out
 
 
 # -- the source's local park ---------------------------------------------------------------------------------
@@ -414,8 +436,10 @@ class Finalizer:
             return StepReport(False, "another writer changed the record; the close runs again")
         record = (await self.ledger.read_record(host)).state
         outcome = record.last_move.outcome if record is not None and record.last_move is not None else "done"
-        if isinstance(out, Committed):
-            await self._fact(f"move-{outcome}", host, f"{move_id}:{outcome}", {"move": move_id, "outcome": outcome})
+        if isinstance(out, Committed):  # the terminal log event, with every timing, digest and reason (§7.8, §13)
+            closed = before.move if before is not None and before.move is not None else None
+            await self._fact(f"move-{outcome}", host, f"{move_id}:{outcome}", {
+                "move": move_id, "outcome": outcome, **(terminal_payload(closed) if closed is not None else {})})
         self._fault("after_record_close")
 
         def release(cur: Claim | None) -> Claim | NoChange | Refusal:
