@@ -25,6 +25,7 @@ from bus.nats_log import NatsEventLog
 from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
 from events import Transition, canonical
 from hostmove.stack import stack_down, stack_up
+from kernel.credentials import load_credentials
 from kernel.ports import SystemRandom, WallClock
 from projections.runner import Projector
 from projections.sample import claim_state, record_state, transition
@@ -112,7 +113,7 @@ async def run(events: int, hosts: int, batch: int, rounds: int) -> float:
     stack_root = root / "stack"
     try:
         info = stack_up(stack_root)
-        log = await NatsEventLog.connect(info.nats_url)
+        log = await NatsEventLog.connect(info.nats_url, credentials=load_credentials(info.credentials))
         try:
             after = (await log.state(LEDGER_STREAM)).last_seq
             per_host = max(1, events // hosts)

@@ -25,6 +25,7 @@ from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
 from nats.js.api import ConsumerConfig
 
 from bus.subjects import FACTS_STREAM, alert_subject
+from kernel.credentials import Credentials, credentials_from_env
 from kernel.logctx import ctx
 
 log = logging.getLogger("hostmove.bus")
@@ -79,8 +80,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
-def make_broker(nats_url: str, *, name: str = "hostmove") -> NatsBroker:
-    return NatsBroker(nats_url, name=name, connect_timeout=5)
+def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentials | None = None) -> NatsBroker:
+    """A broker authenticated as ``credentials``' role (default: the file ``HOSTMOVE_CREDENTIALS`` names)."""
+    creds = credentials if credentials is not None else credentials_from_env()
+    auth: dict[str, Any] = {}
+    if creds is not None and creds.nats_seed:
+        auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
+    return NatsBroker(nats_url, name=name, connect_timeout=5, **auth)
 
 
 def subscribe(

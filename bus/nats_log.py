@@ -40,6 +40,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnav
 
 from bus.log import LogError, LogUnavailable, PubAck, StoredMessage, StreamState, WrongLastSequence
 from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS
+from kernel.credentials import Credentials, credentials_from_env
 
 log = logging.getLogger("hostmove.bus")
 
@@ -123,20 +124,26 @@ class NatsEventLog:
         self.reconnect_wait_max_s = reconnect_wait_max_s
         self.disconnected_at: float | None = None  # monotonic, while the connection is down
         self.reconnects = 0
+        self.last_error = ""  # the server's or the client's last error text (an authorization violation, say)
         self._on_reconnect: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "hostmove", timeout: float = 5.0, wait: bool = False,
                       reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S,
-                      on_retry: Callable[[int, str], None] | None = None) -> NatsEventLog:
+                      on_retry: Callable[[int, str], None] | None = None,
+                      credentials: Credentials | None = None) -> NatsEventLog:
         """Connect and declare the streams. Without ``wait`` an unreachable server raises
         :class:`~bus.log.LogUnavailable` at once (a command line tool); with it the connect retries forever on the
-        capped backoff, calling ``on_retry(attempt, reason)`` before each wait (a service: cancel it to give up)."""
+        capped backoff, calling ``on_retry(attempt, reason)`` before each wait (a service: cancel it to give up).
+
+        ``credentials`` (default: the file ``HOSTMOVE_CREDENTIALS`` names, if any) authenticate the connection with
+        the role's nkey and give it the role's inbox prefix (:mod:`kernel.credentials`, :mod:`hostmove.access`)."""
         addresses = _addresses(url)
+        creds = credentials if credentials is not None else credentials_from_env()
         attempt = 0
         while True:
-            reason = await cls._try_once(addresses, url, name, timeout, reconnect_wait_max_s)
+            reason = await cls._try_once(addresses, url, name, timeout, reconnect_wait_max_s, creds)
             if isinstance(reason, NatsEventLog):
                 return reason
             if not wait:
@@ -148,16 +155,19 @@ class NatsEventLog:
 
     @classmethod
     async def _try_once(cls, addresses: list[tuple[str, int]], url: str, name: str, timeout: float,
-                        cap: float) -> NatsEventLog | str:
+                        cap: float, creds: Credentials | None = None) -> NatsEventLog | str:
         """One first-connect attempt: the connected log, or why it failed. A server that accepts TCP is handed to
         nats-py (whose own first-connect loop would otherwise retry forever on a fixed wait, out of our hands)."""
         if not await _accepts(addresses, timeout):
             return f"cannot reach NATS at {url}: nothing accepts connections"
         nc = Client()
         events = cls(nc, nc.jetstream(timeout=timeout), timeout, url=url, reconnect_wait_max_s=cap)
+        auth: dict[str, Any] = {}
+        if creds is not None and creds.nats_seed:
+            auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
         try:
             await asyncio.wait_for(nc.connect(
-                url, name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True,
+                url, name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True, **auth,
                 max_reconnect_attempts=-1, reconnect_time_wait=max(1, int(cap)),
                 ping_interval=PING_INTERVAL_S, max_outstanding_pings=3,
                 reconnect_to_server_handler=events._next_server, disconnected_cb=events._disconnected,
@@ -166,6 +176,9 @@ class NatsEventLog:
             await ensure_streams(events.js)
         except _CONNECT_ERRORS as exc:
             await events._abandon()
+            if "authorization violation" in f"{exc} {events.last_error}".lower():
+                who = f"the {creds.role} credentials" if creds is not None else "a connection without credentials"
+                return f"NATS at {url} refused {who} (authorization violation)"
             return f"cannot reach NATS at {url}: {type(exc).__name__}"
         except BaseException:
             await events._abandon()
@@ -214,6 +227,7 @@ class NatsEventLog:
                 await asyncio.sleep(reconnect_delay(attempt))
 
     async def _error(self, exc: Exception) -> None:
+        self.last_error = str(exc)
         log.debug("NATS client error on %s: %s: %s", self.url, type(exc).__name__, exc)
 
     async def _closed(self) -> None:

@@ -118,6 +118,11 @@ async def _box(args: argparse.Namespace) -> int:
         await rt.close()
     print(f"box {init.label} in region {init.region}: {init.box_dir} (secrets key {init.secrets_key_fp}, "
           f"roster gen {init.roster_gen})")
+    from hostmove.access import provision_local
+
+    made = provision_local(settings.root, settings.bucket)  # the box's own NATS user and S3 identity (issue 14)
+    if made:
+        print(f"box {init.label}: {made}")
     return 0
 
 
@@ -127,10 +132,11 @@ async def _box_wake(args: argparse.Namespace) -> int:
     import time
 
     from bus.subjects import box_wake_subject
+    from hostmove.access import ROUTER
     from services.agent.config import BoxConfigError, load_box
     from services.agent.service import read_endpoint
 
-    settings = load_settings(Path(args.root))
+    settings = load_settings(Path(args.root), role=ROUTER)  # a wake is the router role's to send (issue 14)
     rt = await open_runtime(settings, "cli", probe=False)
     try:
         try:
@@ -232,11 +238,38 @@ async def _host(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _deployment(args: argparse.Namespace) -> int:
+    """``hostmove deployment init``: the deployment's key and floor, then (on the embedded stack) each role's
+    identity: the console's, the projections', the router's and every box's (:mod:`hostmove.access`)."""
+    from hostmove import app_cli
+    from hostmove.access import provision_local
+    from services.box.roster import ensure_deployment
+
+    code = await app_cli.run_deployment(args)
+    if code != exitcodes.OK:
+        return code
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    try:  # the deployment's identity exists before any box starts: a box only reads it
+        await ensure_deployment(rt.store, settings.bucket, rng=rt.rng, clock=rt.clock)
+    finally:
+        await rt.close()
+    made = provision_local(settings.root, settings.bucket)
+    print(f"deployment: {made}" if made else "deployment: give each role its own identity (examples/iam/ for S3, "
+          "compose.yaml for NATS); the stack is not this machine's")
+    return exitcodes.OK
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from hostmove import serve
+    from hostmove.access import AccessError, role_of
 
-    return await serve.run(args.service, load_settings(Path(args.root)), port=args.port, label=args.label,
-                           health_port=args.health_port)
+    try:  # each service acts as its role, with the role's own credentials (issue 14 items 1 and 3)
+        role: str | None = role_of(args.service, args.label)
+    except AccessError:
+        role = None  # an unknown service: serve.run names it
+    return await serve.run(args.service, load_settings(Path(args.root), role=role), port=args.port,
+                           label=args.label, health_port=args.health_port)
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -323,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
-                  "deployment": app_cli.run_deployment}[args.command]
+                  "deployment": _deployment}[args.command]
         try:
             return asyncio.run(runner(args))
         except BaseException as exc:  # noqa: BLE001 - an outage is answered in the operator's words, never a trace

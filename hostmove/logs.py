@@ -18,8 +18,10 @@ the traceback and every field with ``[redacted]``, and the formatter runs the sa
 (for values that only become text when encoded). The known secrets are the values of the environment's secret
 settings (:func:`secrets_from_env`: ``HOSTMOVE_S3_SECRET_KEY``, the entries of ``HOSTMOVE_OPERATOR_TOKENS`` and
 ``HOSTMOVE_STATUS_TOKENS`` and of their files, ``HOSTMOVE_TOKEN``, any variable named ``*SECRET*``, ``*PASSWORD*``
-or ``*_TOKEN(S)``, and the variables named in ``HOSTMOVE_LOG_SECRETS``), those the service adds
-(:func:`add_secret`: the S3 secret of ``stack.json``), any PEM private key block and any bearer credential.
+or ``*_TOKEN(S)``, the variables named in ``HOSTMOVE_LOG_SECRETS``, and the nkey seeds and S3 secrets of the
+credentials files ``HOSTMOVE_CREDENTIALS`` and ``HOSTMOVE_CREDENTIALS_DIR`` name), those the service adds
+(:func:`add_secret`: the S3 secret of ``stack.json``, its role's credentials), any PEM private key block and any
+bearer credential.
 
 Interactive commands keep human lines on the terminal (:func:`configure_terminal`), with the same redaction.
 ``HOSTMOVE_LOG_LEVEL`` sets the level (default ``INFO`` for a service).
@@ -37,6 +39,7 @@ import threading
 import traceback
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -51,6 +54,8 @@ REDACTED = "[redacted]"
 ENV_LEVEL = "HOSTMOVE_LOG_LEVEL"
 ENV_SECRETS = "HOSTMOVE_LOG_SECRETS"
 SECRET_LISTS = ("HOSTMOVE_OPERATOR_TOKENS", "HOSTMOVE_STATUS_TOKENS")
+CREDENTIAL_FILES = ("HOSTMOVE_CREDENTIALS", "HOSTMOVE_CREDENTIALS_DIR")
+"""Settings that name credentials files: their secrets (nkey seeds, S3 secrets) are never logged."""
 SECRET_NAME = re.compile(r"SECRET|PASSWORD|PASSPHRASE|PRIVATE_KEY|(^|_)TOKENS?$")
 MIN_SECRET = 6  # a shorter value would redact ordinary words; no real secret is that short
 # Library loggers that say too much at INFO for a service's log (each request to S3, credential discovery).
@@ -95,7 +100,23 @@ def secrets_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
                 pass
         elif name in named or name == "HOSTMOVE_TOKEN" or (not name.endswith("_FILE") and SECRET_NAME.search(name)):
             found.append(value)
+        elif name in CREDENTIAL_FILES:  # a role's credentials file, or a directory of them (issue 14)
+            found += _credential_secrets(Path(value))
     return found
+
+
+def _credential_secrets(path: Path) -> list[str]:
+    """The nkey seeds and S3 secrets of a credentials file (:mod:`kernel.credentials`) or of every ``*.json`` of a
+    directory of them; what cannot be read is skipped (its loader says why, elsewhere)."""
+    from kernel.credentials import CredentialsError, load_credentials
+
+    out: list[str] = []
+    for f in sorted(path.glob("*.json")) if path.is_dir() else [path]:
+        try:
+            out += load_credentials(f).secrets()
+        except (CredentialsError, OSError):
+            continue
+    return out
 
 
 class Redactor:

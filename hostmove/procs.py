@@ -16,17 +16,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hostmove.access import credentials_dir, provision_deployment
 from hostmove.logs import json_line
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import ENV_CREDENTIALS_DIR
 
 
 def service_env(stack: StackInfo, *, root: Path, bucket: str, extra: Mapping[str, str] | None = None,
                 base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a service on ``stack``: this process's, without any other ``HOSTMOVE_*`` setting."""
+    """The environment of a service on ``stack``: this process's, without any other ``HOSTMOVE_*`` setting.
+
+    No key is in it: each service takes its own role's credentials file from ``HOSTMOVE_CREDENTIALS_DIR``
+    (``<root>/credentials/``, issue 14 items 1 and 3), which this provisions on the embedded stack for the
+    deployment of ``bucket`` (:func:`hostmove.access.provision_deployment`: the console, the projections, the router
+    and every box set up under ``root``)."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("HOSTMOVE_")}
+    merged = {**env, **(extra or {})}
+    if stack.mode == "local" and stack.root:
+        provision_deployment(stack, root, deployment_bucket=bucket,
+                             data_prefix=merged.get("HOSTMOVE_DATA_BUCKET_PREFIX") or None)
+        keys = {ENV_CREDENTIALS_DIR: str(credentials_dir(root))}
+    else:  # a stack this process did not start (containers): its one key, as before
+        keys = {"HOSTMOVE_S3_ACCESS_KEY": stack.s3_access_key, "HOSTMOVE_S3_SECRET_KEY": stack.s3_secret_key}
     env.update({
-        "HOSTMOVE_NATS_URL": stack.nats_url, "HOSTMOVE_S3_ENDPOINT": stack.s3_endpoint,
-        "HOSTMOVE_S3_ACCESS_KEY": stack.s3_access_key, "HOSTMOVE_S3_SECRET_KEY": stack.s3_secret_key,
+        "HOSTMOVE_NATS_URL": stack.nats_url, "HOSTMOVE_S3_ENDPOINT": stack.s3_endpoint, **keys,
         "HOSTMOVE_S3_REGION": stack.s3_region, "HOSTMOVE_BUCKET": bucket, "HOSTMOVE_ROOT": str(root),
     })
     env.update(extra or {})

@@ -5,6 +5,12 @@ Endpoints come from the environment (``HOSTMOVE_NATS_URL``, ``HOSTMOVE_S3_ENDPOI
 ``HOSTMOVE_BUCKET``) or, for the embedded default, from ``.hostmove/stack.json``. Every service
 runs the object-store conformance probe at start and refuses to run on a store that fails it.
 
+**Credentials** (issue 14 items 1 and 3). A process acts as one role (:mod:`hostmove.access`): its NATS nkey and its
+S3 identity come from an owner-only file (:mod:`kernel.credentials`), never from a command line: the one
+``HOSTMOVE_CREDENTIALS`` names, else its role's in ``HOSTMOVE_CREDENTIALS_DIR`` (a launcher's, which must hold it)
+or in ``<root>/credentials/``; the operator's CLI on the embedded stack is the stack's admin (``stack.json``).
+``HOSTMOVE_S3_ACCESS_KEY``/``HOSTMOVE_S3_SECRET_KEY`` stay for a role file that names no S3 identity.
+
 A long-running service opens with ``wait=True``: a store or a stream that does not answer yet is waited for on a
 capped backoff (the service's :class:`~hostmove.health.Health` says why it is not ready), never a reason to exit.
 """
@@ -26,6 +32,14 @@ from bus.subjects import LEDGER_STREAM
 from events.envelope import Actor
 from hostmove.health import Health
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import (
+    ENV_CREDENTIALS_DIR,
+    Credentials,
+    CredentialsError,
+    credentials_from_env,
+    load_credentials,
+    role_file,
+)
 from kernel.ports import Clock, Random, SystemRandom, WallClock, pid, process_nonce
 from services.ledger.ledger import Ledger
 from services.objstore.port import Got, StoreUnavailable
@@ -51,29 +65,64 @@ class Settings:
     s3_region: str
     bucket: str
     root: Path
-    local: bool  # the embedded stack: buckets may be created on first use
+    local: bool  # the embedded stack: buckets may be created on first use (by its admin)
+    credentials: Credentials | None = None
+    """The role this process acts as (its NATS nkey and inbox, its S3 identity); None: the S3 keys above and no
+    NATS credentials (a server with authentication refuses that)."""
 
     def __repr__(self) -> str:  # never print the secret
-        return f"Settings(nats={self.nats_url}, s3={self.s3_endpoint}, bucket={self.bucket})"
+        role = self.credentials.role if self.credentials is not None else "-"
+        return f"Settings(nats={self.nats_url}, s3={self.s3_endpoint}, bucket={self.bucket}, role={role})"
+
+    @property
+    def may_create_buckets(self) -> bool:
+        """The embedded stack's admin creates buckets on first use; a role never does (it has no right to)."""
+        return self.local and (self.credentials is None or self.credentials.role == "admin")
 
 
-def load_settings(root: Path | None = None) -> Settings:
+def _role_credentials(root: Path, role: str | None) -> Credentials | None:
+    """The credentials of this process: the file ``HOSTMOVE_CREDENTIALS`` names, else ``role``'s file in
+    ``HOSTMOVE_CREDENTIALS_DIR`` (which must hold it) or in ``<root>/credentials/``."""
+    env = os.environ
+    try:
+        explicit = credentials_from_env()
+        if explicit is not None or role is None:
+            return explicit
+        directory = Path(env[ENV_CREDENTIALS_DIR]) if env.get(ENV_CREDENTIALS_DIR) else root / "credentials"
+        path = role_file(directory, role)
+        if path.exists():
+            return load_credentials(path)
+    except CredentialsError as exc:
+        raise ConfigError(str(exc)) from None
+    if env.get(ENV_CREDENTIALS_DIR):
+        raise ConfigError(f"no credentials for the role {role} in {directory}: `hostmove deployment init` makes the "
+                          "console's and the projections', `hostmove box init` a box's")
+    return None
+
+
+def load_settings(root: Path | None = None, *, role: str | None = None) -> Settings:
+    """The settings of a process acting as ``role`` (:mod:`hostmove.access`; None: the operator's CLI)."""
     root = Path(os.environ.get("HOSTMOVE_ROOT", root or DEFAULT_ROOT))
     bucket = os.environ.get("HOSTMOVE_BUCKET", DEFAULT_BUCKET)
     env = os.environ
     if env.get("HOSTMOVE_NATS_URL") and env.get("HOSTMOVE_S3_ENDPOINT"):
-        missing = [k for k in ("HOSTMOVE_S3_ACCESS_KEY", "HOSTMOVE_S3_SECRET_KEY") if not env.get(k)]
+        creds = _role_credentials(root, role)
+        access = creds.s3_access_key if creds is not None and creds.s3_access_key else env.get("HOSTMOVE_S3_ACCESS_KEY")
+        secret = creds.s3_secret_key if creds is not None and creds.s3_secret_key else env.get("HOSTMOVE_S3_SECRET_KEY")
+        missing = [k for k, v in (("HOSTMOVE_S3_ACCESS_KEY", access), ("HOSTMOVE_S3_SECRET_KEY", secret)) if not v]
         if missing:
-            raise ConfigError(f"set {', '.join(missing)}: the object store never runs anonymous")
+            raise ConfigError(f"set {', '.join(missing)} or HOSTMOVE_CREDENTIALS: the object store never runs "
+                              "anonymous")
         return Settings(
             nats_url=env["HOSTMOVE_NATS_URL"],
             s3_endpoint=env["HOSTMOVE_S3_ENDPOINT"],
-            s3_access_key=env["HOSTMOVE_S3_ACCESS_KEY"],
-            s3_secret_key=env["HOSTMOVE_S3_SECRET_KEY"],
+            s3_access_key=access or "",
+            s3_secret_key=secret or "",
             s3_region=env.get("HOSTMOVE_S3_REGION", "us-east-1"),
             bucket=bucket,
             root=root,
             local=False,
+            credentials=creds,
         )
     stack_file = root / "stack.json"
     if not stack_file.exists():
@@ -87,19 +136,29 @@ def load_settings(root: Path | None = None) -> Settings:
         raise ConfigError(
             f"{stack_file} is unreadable ({exc}); run `hostmove stack down` then `up`"
         ) from None
-    return settings_from_stack(info, root=root, bucket=bucket)
+    return settings_from_stack(info, root=root, bucket=bucket, credentials=_role_credentials(root, role))
 
 
-def settings_from_stack(info: StackInfo, *, root: Path, bucket: str = DEFAULT_BUCKET) -> Settings:
+def settings_from_stack(info: StackInfo, *, root: Path, bucket: str = DEFAULT_BUCKET,
+                        credentials: Credentials | None = None) -> Settings:
+    """The embedded stack's settings, as ``credentials``' role (default: the stack's admin, ``info.credentials``)."""
+    creds = credentials
+    if creds is None and info.credentials and Path(info.credentials).exists():
+        try:
+            creds = load_credentials(info.credentials)
+        except CredentialsError as exc:
+            raise ConfigError(str(exc)) from None
+    own_s3 = creds is not None and bool(creds.s3_access_key)
     return Settings(
         nats_url=info.nats_url,
         s3_endpoint=info.s3_endpoint,
-        s3_access_key=info.s3_access_key,
-        s3_secret_key=info.s3_secret_key,
+        s3_access_key=creds.s3_access_key if creds is not None and own_s3 else info.s3_access_key,
+        s3_secret_key=creds.s3_secret_key if creds is not None and own_s3 else info.s3_secret_key,
         s3_region=info.s3_region,
         bucket=bucket,
         root=root,
         local=True,
+        credentials=creds,
     )
 
 
@@ -161,7 +220,7 @@ async def _prepare_store(store: S3Store, settings: Settings, *, probe: bool, wai
     attempt = 0
     while True:
         try:
-            if settings.local:
+            if settings.may_create_buckets:
                 await store.create_bucket(settings.bucket, versioned=True)
             await store.head(settings.bucket, HEALTH_KEY)
             if probe:
@@ -214,7 +273,7 @@ async def open_runtime(settings: Settings, service: str, *, box: str = "", probe
                 log.warning("waiting for NATS at %s (%s)", settings.nats_url, reason)
 
         events = await NatsEventLog.connect(settings.nats_url, name=f"hostmove-{service}", wait=wait,
-                                            on_retry=retrying)
+                                            on_retry=retrying, credentials=settings.credentials)
     except BaseException:
         await store.close()
         raise

@@ -245,7 +245,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     except SandboxError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
-    if rt.settings.local:
+    if rt.settings.may_create_buckets:
         await rt.store.create_bucket(cfg.data_bucket, versioned=True)
     faults = Failpoints.from_env()
     ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults)
@@ -268,7 +268,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
 
 async def _open(settings: Settings, service: str, label: str, health: Health, stop: asyncio.Event) -> Runtime | None:
     """The runtime, waiting for S3 and NATS as long as it takes; None when stopped meanwhile."""
-    opening = asyncio.ensure_future(open_runtime(settings, service, box=label, wait=True, health=health))
+    opening = asyncio.ensure_future(open_runtime(settings, service, box=label, wait=True, health=health,
+                                                 probe=service != "projections"))  # they only read the store
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({opening, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -286,6 +287,8 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
               health_port: int | None = None) -> int:
     configure_service(service, box=label)  # every line this process writes is JSON from here (hostmove.logs)
     add_secret(settings.s3_secret_key)
+    if settings.credentials is not None:
+        add_secret(*settings.credentials.secrets())  # the role's nkey seed and S3 secret (issue 14)
     if service == "door":
         from services.door.auth import TokenConfigError, load_tokens
 

@@ -2,7 +2,13 @@
 
 All state lives under one root directory (default ``.hostmove/`` in the cwd)::
 
-    <root>/credentials.json   S3 access key and secret (0600), created on first ``up``
+    <root>/credentials.json   S3 access key and secret (0600), created on first ``up``: the store's admin
+    <root>/credentials/       one owner-only role file each (:mod:`kernel.credentials`): ``admin.json`` (the
+                              operator's NATS nkey and the S3 admin key), then what :mod:`hostmove.access` provisions
+    <root>/nats.conf          the NATS users (public nkeys) and their permissions; anonymous connections are refused
+    <root>/nats-users.json    the users :func:`hostmove.access.register_nats_user` added (then SIGHUP: a reload)
+    <root>/s3/security.toml   weed's security settings and ``s3/tls/``: every port but S3's takes only TLS with a
+                              client certificate of the stack's own CA, and the filer and volume servers a JWT
     <root>/stack.json         msgspec JSON of :class:`StackInfo` (0600, includes the secret), after health
     <root>/run.json           pids of the running processes (written right after spawn, removed by ``down``)
     <root>/ports.json         the last ports used; reused on the next ``up`` when they are still free
@@ -36,7 +42,9 @@ from typing import Any
 
 import msgspec
 
+from hostmove.access import ADMIN, admin_credentials, nats_conf_path, new_nkey_seed, store_security, write_nats_config
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import Credentials, load_credentials, save_credentials
 from kernel.fsutil import atomic_write
 
 BIN_DIR = Path(sys.executable).parent
@@ -142,6 +150,19 @@ def _new_credentials() -> _Credentials:
     return _Credentials(access_key="HM" + secrets.token_hex(9).upper(), secret_key=secrets.token_urlsafe(30))
 
 
+def _admin(root: Path, creds: _Credentials) -> Credentials:
+    """The operator's role file (``<root>/credentials/admin.json``): the stack's S3 admin key and a NATS nkey of
+    its own, made once."""
+    path = admin_credentials(root)
+    held = load_credentials(path) if path.exists() else None
+    if held is not None and held.s3_access_key == creds.access_key and held.nats_seed:
+        return held
+    admin = Credentials(role=ADMIN, nats_seed=held.nats_seed if held else new_nkey_seed(), inbox_prefix="_INBOX",
+                        s3_access_key=creds.access_key, s3_secret_key=creds.secret_key)
+    save_credentials(path, admin)
+    return admin
+
+
 def _credentials(root: Path) -> _Credentials:
     path = root / "credentials.json"
     creds = _read(path, _Credentials)
@@ -237,8 +258,9 @@ def _remove_grpc_sockets(ports: Ports) -> None:
 
 
 def _nats_argv(root: Path, ports: Ports) -> list[str]:
-    return [str(NATS_BIN), "-js", "-sd", str(root / "nats"), "-a", HOST, "-p", str(ports.nats),
-            "-m", str(ports.nats_monitor)]
+    """``nats.conf`` holds the users (nkeys, per-role permissions: :mod:`hostmove.access`); anonymous is refused."""
+    return [str(NATS_BIN), "-c", str(nats_conf_path(root)), "-js", "-sd", str(root / "nats"), "-a", HOST,
+            "-p", str(ports.nats), "-m", str(ports.nats_monitor)]
 
 
 def _weed_argv(root: Path, ports: Ports) -> list[str]:
@@ -254,6 +276,7 @@ def _weed_argv(root: Path, ports: Ports) -> list[str]:
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
         f"-admin.port={p.admin}", f"-admin.port.grpc={p.admin_grpc}",
         "-master.telemetry=false", "-volume.preStopSeconds=0",
+        "-s3.iam.readOnly=false",  # the admin identity provisions each role's (hostmove.access.ensure_role)
     ]
 
 
@@ -343,6 +366,9 @@ def _start(root: Path, creds: _Credentials, timeout: float) -> StackInfo:
         stale.unlink(missing_ok=True)
     _remove_grpc_sockets(ports)
 
+    admin = _admin(root, creds)
+    write_nats_config(root, admin.nats_seed)  # before the server starts: it never runs without authentication
+    store_security(root / "s3")  # weed's working directory: every port but S3's takes only the stack's own TLS
     env = {k: v for k, v in os.environ.items() if k not in ("S3_BUCKET", "AWS_PROFILE")}
     env |= {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key}
     nats_log, weed_log = root / "logs" / "nats.log", root / "logs" / "weed.log"
@@ -356,7 +382,8 @@ def _start(root: Path, creds: _Credentials, timeout: float) -> StackInfo:
                 {"nats-server": (nats, nats_log), "weed": (weed, weed_log)})
     info = StackInfo(nats_url=nats_url, nats_monitor_url=monitor_url, s3_endpoint=s3_endpoint,
                      s3_access_key=creds.access_key, s3_secret_key=creds.secret_key, s3_region=REGION,
-                     root=str(root), nats_pid=nats.pid, weed_pid=weed.pid, mode="local")
+                     root=str(root), nats_pid=nats.pid, weed_pid=weed.pid, mode="local",
+                     credentials=str(admin_credentials(root)))
     _write_private(root / "stack.json", msgspec.json.encode(info))
     return info
 

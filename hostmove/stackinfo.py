@@ -16,6 +16,8 @@ class StackInfo(msgspec.Struct, frozen=True):
     nats_pid: int = 0
     weed_pid: int = 0
     mode: str = "local"  # "local" (pip-installed binaries) or "containers" (testcontainers)
+    credentials: str = ""
+    """The operator's role file (``<root>/credentials/admin.json``: the NATS admin nkey and the S3 admin key)."""
 
     def __repr__(self) -> str:  # never print the secret
         return f"StackInfo(nats={self.nats_url}, s3={self.s3_endpoint}, mode={self.mode})"

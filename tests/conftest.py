@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ import pytest
 
 from hostmove.stack import docker_engine_available, stack_down, stack_up, start_containers
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import ENV_CREDENTIALS
 
 pytest_plugins = ["tests.helpers.stores"]  # the object-store backend/store/bucket fixtures
 
@@ -27,9 +29,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
         return
     root = tmp_path_factory.mktemp("stack")
     info = stack_up(root)
+    # The tests act as the stack's operator (its admin nkey and S3 key); a service they start gets its own role's
+    # credentials (hostmove.procs.service_env), never these.
+    os.environ[ENV_CREDENTIALS] = info.credentials
     try:
         yield info
     finally:
+        os.environ.pop(ENV_CREDENTIALS, None)
         stack_down(root)
 
 

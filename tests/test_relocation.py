@@ -22,6 +22,7 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events.claim import Claim, Holder, Op
 from events.ids import new_incarnation
+from hostmove.access import provision_deployment
 from hostmove.probe_apps import post_write
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
@@ -89,7 +90,8 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
 
         await eventually(uploaded, "the acknowledged writes to reach the bucket", 30)
 
-        env = service_env(stack, root=w.root, bucket=w.deploy, extra={"HOSTMOVE_DATA_BUCKET_PREFIX": prefix})
+        env = service_env(stack, root=w.root, bucket=w.deploy, extra={  # the operator's command: the admin's keys
+            "HOSTMOVE_DATA_BUCKET_PREFIX": prefix, "HOSTMOVE_CREDENTIALS": stack.credentials})
         refused = await asyncio.to_thread(subprocess.run, [*HOSTMOVE, "box", "fence", "--label", lost], env=env,
                                           capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "pass --terminated to confirm" in refused.stderr
@@ -124,6 +126,8 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
         replacement = unique("ie")
         await init_box(root=w.root, label=replacement, region="ie", store=store, bucket=w.deploy, events=events,
                        clock=w.ledger.clock, actor=w.ledger.actor)
+        await asyncio.to_thread(provision_deployment, stack, w.root, deployment_bucket=w.deploy,
+                                data_prefix=prefix)  # the replacement's own identity, as `hostmove box init` makes it
         new_agent = ServiceProc.serve("box", agent.env, tmp_path / f"agent-{replacement}.log", "--label", replacement)
         new_agent.start()
         try:

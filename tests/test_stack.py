@@ -24,6 +24,7 @@ from botocore.exceptions import ClientError
 
 from hostmove.stack import docker_engine_available, stack_down, stack_status, stack_up
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import load_credentials
 
 Running = tuple[Path, StackInfo, float]
 
@@ -118,7 +119,10 @@ def test_s3_refuses_anonymous_and_wrong_secret(running: Running, unique: Callabl
 async def test_nats_jetstream_publish(running: Running, unique: Callable[..., str]) -> None:
     _, info, _ = running
     name = unique("s").replace("-", "_").upper()
-    nc = await nats.connect(info.nats_url, connect_timeout=5, max_reconnect_attempts=0)
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # nobody connects anonymously
+        await nats.connect(info.nats_url, connect_timeout=5, allow_reconnect=False, max_reconnect_attempts=0)
+    admin = load_credentials(info.credentials)  # the operator's nkey, owner-only under the stack's root
+    nc = await nats.connect(info.nats_url, connect_timeout=5, max_reconnect_attempts=0, nkeys_seed_str=admin.nats_seed)
     try:
         js = nc.jetstream()
         await js.add_stream(name=name, subjects=[f"{name}.>"])

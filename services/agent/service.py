@@ -673,6 +673,8 @@ class BoxAgent:
             self.notify(host)
 
         async def wake(msg: Any) -> None:
+            if msg.subject != box_wake_subject(self.label):  # a stream's message redelivered here is no wake (8274)
+                return
             try:
                 host = msg.data.decode("utf-8")
             except UnicodeDecodeError:
