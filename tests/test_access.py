@@ -470,3 +470,45 @@ async def test_a_service_gets_its_role_and_logs_none_of_its_secrets(stack: Stack
     secrets = [s for c in deployment.creds.values() for s in c.secrets()] + [stack.s3_secret_key]
     assert not [s for s in secrets if s in out]
     assert "Authorization Violation" not in out and "AccessDenied" not in out, out
+
+
+# ------------------------------------------------------------------------------------------------------- compose
+
+
+def test_a_rendered_deployment_is_what_compose_mounts(stack: StackInfo, unique: Callable[[str], str],
+                                                      tmp_path: Path) -> None:
+    """``python -m hostmove.access render``: the NATS configuration (which nats-server accepts), one owner-only
+    credentials file per role that compose.yaml mounts, each role's policy, and the store's security settings; with
+    the store admin's IAM, each role's S3 identity too."""
+    import subprocess
+
+    import yaml
+
+    from hostmove.access import _iam, render_deployment, s3_policy
+    from hostmove.stack import NATS_BIN
+
+    bucket = unique("rendered")
+    made = render_deployment(tmp_path, boxes={"ie-1": "ie"}, deployment_bucket=bucket, iam=_iam(stack))
+    checked = subprocess.run([str(NATS_BIN), "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True,
+                             text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    conf = json.loads((tmp_path / "nats.conf").read_text())
+    assert len(conf["authorization"]["users"]) == len(made) == 5
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for name, secret in compose["secrets"].items():
+        path = tmp_path / Path(secret["file"]).relative_to("deploy")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+        assert load_credentials(path).role == name
+    for name in ("relay", "projections", "door", "recovery", "box-ie-1"):
+        assert compose["services"][name]["secrets"][0]["target"] == "hostmove", name
+    assert "HOSTMOVE_S3_SECRET_KEY" not in compose["x-hostmove"]["environment"]
+    assert compose["services"]["nats"]["command"][:2] == ["-c", "/etc/nats/nats.conf"]
+    assert "ca = \"/etc/seaweedfs/tls/ca.crt\"" in (tmp_path / "store" / "security.toml").read_text()
+    policy = json.loads((tmp_path / "iam" / "box-ie-1.json").read_text())
+    assert policy == s3_policy("box-ie-1", deployment_bucket=bucket, region="ie")
+    box = made["box-ie-1"]
+    assert box.s3_access_key and box.s3_secret_key and box.nats_seed
+    s3 = _s3(stack, box)
+    assert _denied(lambda: s3.put_object(Bucket=bucket, Key=ROSTER_KEY, Body=b"{}"))
+    again = render_deployment(tmp_path, boxes={"ie-1": "ie"}, deployment_bucket=bucket)  # made once
+    assert again["box-ie-1"] == box
