@@ -45,7 +45,7 @@ from events.record import Record
 from kernel import ports
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
-from kernel.ports import Clock, Random
+from kernel.ports import Clock, Random, blocking
 from services.agent.config import (
     TIMER_PATH,
     BoxConfig,
@@ -69,6 +69,7 @@ from services.box.instance.activator import (
     StartRefused,
 )
 from services.box.instance.instances import Instances
+from services.box.instance.peer import answered_by_leaf
 from services.box.instance.proctree import ProcessTree
 from services.box.instance.registry import Registry, RouteRow
 from services.box.instance.sleep import Activity, SleepMarks, idle_left
@@ -243,7 +244,8 @@ class BoxAgent:
         self.source = SourceRunners(deployment, SourceSide(
             ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key,
             launch=self.apps.launch if self.apps is not None else sample_launch,
-            ready_url=self._ready_url, recovery_policy=self.timing.recovery), self.timing.move, faults=faults)
+            ready_url=self._ready_url, recovery_policy=self.timing.recovery,
+            ready_peer=self._ready_peer), self.timing.move, faults=faults)
         facts: BoxFacts | Callable[[str], Awaitable[BoxFacts]] = embedded_facts(cfg.label, key)
         if self.apps is not None:  # the readiness report observes this box (T1-T3, T7, T8, T11, T13; issue 18)
             self.observer = TargetObserver(
@@ -299,6 +301,16 @@ class BoxAgent:
         else:
             path = self.activator.app.ready_path if isinstance(self.activator.app, AppSpec) else "/ready"
         return f"{running.url}{path}"
+
+    async def _ready_peer(self, host: str) -> tuple[bool, str]:
+        """S1 "from its own process" (§7.3): the processes holding the instance's port are its cgroup leaf's."""
+        running = self.instances.serving(host)
+        if running is None:
+            return False, f"no instance of {host} runs on {self.label}"
+        if ports.simulated():  # the simulation's instances hold no socket: its network twin answers for them
+            return True, ""
+        members = await blocking(self.ctx.tree.members, host)
+        return await blocking(answered_by_leaf, host, running.port, members)
 
     def running(self, host: str) -> bool:
         return host in self.instances

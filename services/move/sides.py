@@ -86,6 +86,8 @@ class SourceSide:
     launch: Callable[[str], Awaitable[LaunchInputs]]
     ready_url: Callable[[str], str | None]
     recovery_armed: Callable[[str], bool] = lambda host: True
+    ready_peer: Callable[[str], Awaitable[tuple[bool, str]]] | None = None
+    """S1 "from its own process": whether the readiness answer came from the host's cgroup leaf (§7.3)."""
     recovery_policy: StartPolicy | None = None
     """The starts of one attempt of a rollback's recovery probe (None: the activator's, §7.7)."""
 
@@ -182,7 +184,7 @@ class SourceRunners:
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
             secrets_key=source.secrets_key, tree=ctx.tree, clock=ctx.clock, files_dir=ctx.files_dir,
-            db_path=ctx.db_path, launch=source.launch, ready_url=source.ready_url,
+            db_path=ctx.db_path, launch=source.launch, ready_url=source.ready_url, ready_peer=source.ready_peer,
             recovery_armed=source.recovery_armed, target_key=deployment.region_key,
         ), timings.source)
         self.cut = SourceWorker(SourceBox(

@@ -35,6 +35,12 @@ from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import step_allowed
 
 rules.register(
+    "source-readiness",
+    section="§7.3 S1 (model 3: S1 is load-bearing); issue 18 item 5",
+    meaning="ready needs the source instance's fresh readiness answer, from its own process (its cgroup leaf)",
+    site="services/source/phases.py not_ready",
+)
+rules.register(
     "cut-deadline",
     section="§7.4 One absolute deadline; D§3.2",
     meaning="no source cut phase proceeds once now is past cut_deadline",
@@ -141,7 +147,7 @@ def not_ready(r: Readiness, now_ms: int, profile: TimingProfile) -> str | None:
         return f"the target's readiness report is missing or older than {profile.freshness_s:g} s"
     if not r.target_passed:
         return f"the target's readiness report does not pass: {r.target_reason or 'no reason given'}"
-    if stale(r.source_ready_at):
+    if stale(r.source_ready_at) and rules.on("source-readiness"):
         return "the source instance has not answered its readiness probe recently (declare moves.ready_path)"
     if not r.source_strict:
         return "the source's next spawn would not be strict (§5.3)"

@@ -24,8 +24,8 @@ Every write is idempotent on replay: the touch and both record CASes answer ``No
 is create-only, the mirror skips what the staging journal records as staged, the archive is rebuilt only when the
 files changed, the report is rewritten whole.
 
-Not done here: proof that the S1 answer comes from the instance's own process (the probe trusts the configured
-address).
+S1 takes an answer only from the instance's own process when the box can tell (``PreparingBox.ready_peer``: the
+holders of the port's listening socket are the host's cgroup leaf, :mod:`services.box.instance.peer`).
 """
 
 from __future__ import annotations
@@ -314,6 +314,9 @@ class PreparingBox:
     # target region -> its public key, to seal each round's files archive to (§7.3, §8). Without it the rounds
     # stage no archive and the target's T5 cannot pass.
     target_key: Callable[[str], EllipticCurvePublicKey] | None = None
+    # S1 "from its own process" (§7.3, codex 14): whether the readiness answer came from the host's cgroup leaf
+    # (:mod:`services.box.instance.peer`), with why not. None: the composition cannot tell (the answer is taken).
+    ready_peer: Callable[[str], Awaitable[tuple[bool, str]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,9 @@ class PreparingRunner:
                                             at=box.clock.now_ms(), env=launch.env, inputs=values, measures=measures)
         version = await launch_report.write_report(box.deploy_store, box.deploy_bucket, report)
         s1_ok, s1_detail = await probe_ready(box.ready_url(host), box.probe_timeout_s)
+        if s1_ok and box.ready_peer is not None:  # the answer counts only from the instance's own process
+            s1_ok, why = await box.ready_peer(host)
+            s1_detail = s1_detail if s1_ok else f"{s1_detail}, but {why}"
         strict, strict_detail = box.tree.strict_available()
         target, target_detail = await self._target_report(host, move.id)
         inputs = MoveInputs(bundle_etags=dict(launch.bundle_etags), overlay_etag=launch.overlay_etag,
