@@ -386,12 +386,13 @@ def ensure_role(stack: StackInfo, root: Path, role: str, *, deployment_bucket: s
     user = iam_user_name(role, deployment_bucket)
     creds = load_credentials(path) if path.exists() else None
     try:
-        if creds is None:
+        if creds is None or not _key_known(iam, user, creds.s3_access_key):  # new, or a store that lost it
             with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
                 iam.create_user(UserName=user)
             key = iam.create_access_key(UserName=user)["AccessKey"]
-            creds = Credentials(role=role, nats_seed=new_nkey_seed(), inbox_prefix=inbox_prefix(role),
-                                s3_access_key=key["AccessKeyId"], s3_secret_key=key["SecretAccessKey"])
+            creds = Credentials(role=role, nats_seed=creds.nats_seed if creds else new_nkey_seed(),
+                                inbox_prefix=inbox_prefix(role), s3_access_key=key["AccessKeyId"],
+                                s3_secret_key=key["SecretAccessKey"])
             save_credentials(path, creds)
         iam.put_user_policy(UserName=user, PolicyName="hostmove", PolicyDocument=policy)
         _await_key(stack, creds)
@@ -400,6 +401,17 @@ def ensure_role(stack: StackInfo, root: Path, role: str, *, deployment_bucket: s
         raise AccessError(f"the store's IAM refused provisioning {role} ({code})") from None
     register_nats_user(stack, role, creds.nats_seed)
     return creds
+
+
+def _key_known(iam: Any, user: str, access_key: str) -> bool:
+    """The store's IAM still has ``user`` with ``access_key`` (a stack started afresh under a kept root has not)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        keys = iam.list_access_keys(UserName=user).get("AccessKeyMetadata", [])
+    except ClientError:
+        return False
+    return any(k.get("AccessKeyId") == access_key for k in keys)
 
 
 def _await_key(stack: StackInfo, creds: Credentials, timeout_s: float = 10.0) -> None:
