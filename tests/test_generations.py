@@ -480,3 +480,29 @@ async def test_the_serving_region_sweep_retires_dead_generations_only(world: Wor
     report = await sweep.serving(host, await world.claim(host))
     assert "touches nothing" in report.did or "nothing swept" in report.did, report
     assert await world.store.list_versions(bucket, late), "nothing was queued or parked"
+
+
+async def test_a_publication_an_outage_stopped_is_made_again(world: World, unique: Callable[[str], str]) -> None:
+    """The publication is retried (§7.14 "retried after the timeout"): a wake whose PublishGeneration never landed
+    leaves its predecessor uncovered; the box's next pass publishes again and queues the chore, once the marker names
+    the current generation, never for an unfinished start."""
+    ctx = world.box("ie-p2")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    for _ in range(2):
+        assert isinstance(await act.wake(host), Started)
+        await act.stop(host)
+    await retire_all(world, ctx, host)
+
+    def unpublished(c: Claim) -> Claim:  # as if the second wake's publication had been lost to an outage
+        assert c.holder is not None
+        last = msgspec.structs.replace(c.holder.admissions[-1], covered=False)
+        return msgspec.structs.replace(c, holder=msgspec.structs.replace(
+            c.holder, admissions=(*c.holder.admissions[:-1], last)), obligations=())
+
+    lost = await replace_claim(world, host, "test-unpublished", unpublished)
+    assert await act.republish(lost)
+    again = await world.claim(host)
+    assert again.holder is not None and again.holder.admissions[-1].covered
+    assert [o.kind for o in again.obligations] == [PARK_GENERATION]
+    assert not await act.republish(again), "nothing is owed any more"

@@ -561,6 +561,11 @@ class BoxAgent:
                 chores = await self.sweeper.generations.run(host)
                 out.did += list(chores.did)
                 out.did += await self.sweeper.retention.look(host, claim, record)
+                if await self.activator.republish(claim):  # a publication an outage stopped, retried
+                    out.did.append("generation published again")
+                swept = await self.sweeper.serving(host, claim)  # its own region at rest (§6.4), on its cadence
+                if swept.did:
+                    out.did.append(swept.did)
                 await self.activator.flush_alerts()
             if claim.op.kind == "serving":
                 if claim.op.exec == self.label and CLEAR_FAILED in claim.op.journal:

@@ -451,6 +451,27 @@ class Activator:
         if isinstance(out, Refusal):
             log.info("generation %s of %s not published: %s", holder.generation, claim.host, out.reason)
 
+    async def republish(self, claim: Claim | None) -> bool:
+        """``PublishGeneration`` again (§7.14 "retried after the timeout"): a publication that a store or bus outage or
+        a moved claim stopped left records uncovered whose predecessors are this region's and dead. Only for this box's
+        own writer, and only once ``generation.json`` here names ``holder.generation`` (never for an unfinished
+        start: its marker comes first). Answers whether it published."""
+        if claim is None or claim.holder is None or claim.op.exec != self.ctx.label:
+            return False
+        holder = claim.holder
+        current = normalize(holder.generation)
+        owed = [a for a in holder.admissions if not a.covered and a.predecessor is not None
+                and a.predecessor_region in (self.ctx.region, "")
+                and normalize(a.predecessor.generation) != current]
+        if not owed or holder.writer_box != self.ctx.label or not holder.admissions \
+                or holder.admissions[-1].box != self.ctx.label:
+            return False
+        marker = await read_generation_marker(self.ctx.data_store, self.ctx.data_bucket, holder.location)
+        if marker.marker is None or normalize(marker.marker.op) != current:
+            return False
+        await self._publish(claim)
+        return True
+
     async def _declare(self, claim: Claim) -> None:
         """One alert per loss declaration of the admission just made (§7.14 item 2, INV-21), after its CAS, through
         the box's durable outbox (:class:`AlertOutbox`: retried until delivered)."""
