@@ -558,7 +558,7 @@ class BoxAgent:
             if claim is None:
                 return out
             if chores is None:  # once a pass: the park-generation chores this box owes (§7.14 item 5), the alerts
-                chores = await self.sweeper.generations.run(host)
+                chores = await self.sweeper.generations.run(host, claim)
                 out.did += list(chores.did)
                 out.did += await self.sweeper.retention.look(host, claim, record)
                 if await self.activator.republish(claim):  # a publication an outage stopped, retried
