@@ -202,10 +202,10 @@ class Door:
         """Claim first, then record (D§13 ambiguity 1). A retry of the same request after a crash
         between the two finishes the record; a retry after both answers the existing move."""
         self.require_bus()
-        roster = await self.roster()
         floor = await self.floor()
         record = await self.record(host)
         release = await self.app_release(host)
+        roster = await self.roster()  # last, right before the decision: a box fenced meanwhile is never chosen
         move_id = new_op_id("mv", self.rng)
         decide = functools.partial(
             decide_move_claim, host=host, record=record, roster=roster, floor=floor, request=request,
