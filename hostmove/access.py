@@ -246,8 +246,24 @@ def register_nats_user(stack: StackInfo, role: str, seed: str, *, timeout_s: flo
         users.users.append(NatsUser(role, nkey))
         atomic_write(_users_path(stack_root), msgspec.json.encode(users), mode=0o600)
         write_nats_config(stack_root, admin.nats_seed)
+        if not _nats_running(stack):
+            return  # the server reads the users when it starts again (`hostmove stack up`)
         reload_nats(stack)
     _await_accepted(stack.nats_url, seed, role, timeout_s)
+
+
+def _nats_running(stack: StackInfo) -> bool:
+    pid = _current_nats_pid(stack)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie nobody reaped yet is not a server
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def reload_nats(stack: StackInfo) -> None:
@@ -378,13 +394,16 @@ def ensure_role(stack: StackInfo, root: Path, role: str, *, deployment_bucket: s
                 data_prefix: str = DEFAULT_DATA_PREFIX, region: str = "") -> Credentials:
     """``role``'s credentials under ``root`` (created once: an IAM user with its key, an nkey), its policy put again
     (it names this deployment's buckets) and its NATS user registered with the embedded stack."""
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     path = role_file(credentials_dir(root), role)
     policy = json.dumps(s3_policy(role, deployment_bucket=deployment_bucket, data_prefix=data_prefix, region=region))
     iam = _iam(stack)
     user = iam_user_name(role, deployment_bucket)
     creds = load_credentials(path) if path.exists() else None
+    if creds is not None and not _store_answers(stack):  # an outage: the role keeps what it was given
+        register_nats_user(stack, role, creds.nats_seed)
+        return creds
     try:
         if creds is None or not _key_known(iam, user, creds.s3_access_key):  # new, or a store that lost it
             with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
@@ -399,8 +418,21 @@ def ensure_role(stack: StackInfo, root: Path, role: str, *, deployment_bucket: s
     except ClientError as exc:
         code = (exc.response or {}).get("Error", {}).get("Code", "?")
         raise AccessError(f"the store's IAM refused provisioning {role} ({code})") from None
+    except BotoCoreError as exc:
+        raise AccessError(f"the store did not answer while provisioning {role} ({type(exc).__name__})") from None
     register_nats_user(stack, role, creds.nats_seed)
     return creds
+
+
+def _store_answers(stack: StackInfo) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{stack.s3_endpoint}/healthz",
+                                                                               timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (OSError, ValueError):
+        return False
 
 
 def _key_known(iam: Any, user: str, access_key: str) -> bool:
@@ -478,13 +510,33 @@ def boxes_under(root: Path) -> dict[str, str]:
     return out
 
 
+SCOPE_FILE = "scope"
+"""Under the credentials directory: the buckets the roles' policies were made for, so that a later provisioning
+that names no data prefix (a launcher of console services only) keeps the boxes' grants as they were."""
+
+
+def _recorded_prefix(root: Path, deployment_bucket: str) -> str | None:
+    try:
+        scope = json.loads((credentials_dir(root) / SCOPE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if scope.get("deployment_bucket") != deployment_bucket:
+        return None
+    return str(scope.get("data_prefix") or "") or None
+
+
 def provision_deployment(stack: StackInfo, root: Path, *, deployment_bucket: str,
                          data_prefix: str | None = None) -> dict[str, Credentials]:
     """Every role of the deployment under ``root``: the console's, the projections', the router's and each box's
     (:func:`boxes_under`)."""
-    prefix = data_prefix or DEFAULT_DATA_PREFIX
+    prefix = data_prefix or _recorded_prefix(root, deployment_bucket) or DEFAULT_DATA_PREFIX
+    directory = credentials_dir(root)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(directory / SCOPE_FILE, json.dumps({"deployment_bucket": deployment_bucket,
+                                                     "data_prefix": prefix}).encode(), mode=0o600)
     boxes = boxes_under(root)
-    _ensure_buckets(stack, [deployment_bucket, *sorted({f"{prefix}-{region}" for region in boxes.values()})])
+    if _store_answers(stack):  # in an outage the buckets are what they were; new roles wait for the store below
+        _ensure_buckets(stack, [deployment_bucket, *sorted({f"{prefix}-{region}" for region in boxes.values()})])
     out = {role: ensure_role(stack, root, role, deployment_bucket=deployment_bucket, data_prefix=prefix)
            for role in DEPLOYMENT_ROLES}
     for label, region in boxes.items():

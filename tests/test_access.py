@@ -534,3 +534,11 @@ def test_a_role_whose_key_the_store_lost_gets_a_new_one(stack: StackInfo, deploy
     assert s3.get_object(Bucket=deployment.bucket, Key="_health/ping")["Body"].read() == b"ok"
     assert _denied(lambda: s3.get_object(Bucket=deployment.bucket, Key="control/hosts/h1.json"))
     deployment.creds[ROUTER] = after
+
+
+def test_provisioning_again_without_the_prefix_keeps_the_boxes_grants(stack: StackInfo,
+                                                                      deployment: Deployment) -> None:
+    """A launcher of console services names no data prefix: the boxes keep the grants they were given."""
+    again = provision_deployment(stack, deployment.root, deployment_bucket=deployment.bucket)
+    assert again[box_role(deployment.labels["ie"])] == deployment.box("ie")
+    _s3(stack, deployment.box("ie")).put_object(Bucket=f"{deployment.prefix}-ie", Key="instances/h2/db", Body=b"x")

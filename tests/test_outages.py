@@ -46,6 +46,7 @@ from hostmove.probe_apps import post_write
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stack import RunState, _pid_alive, _signal, stack_down, stack_up
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import ENV_CREDENTIALS
 from kernel.ports import SystemRandom, WallClock
 from services.ledger import Committed, Ledger
 from services.objstore.memory import MemoryStore
@@ -295,9 +296,15 @@ def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, StackI
     """A stack of this module's own: its tests stop and restart its parts."""
     root = tmp_path_factory.mktemp("outage-stack")
     info = stack_up(root)
+    session = os.environ.get(ENV_CREDENTIALS)
+    os.environ[ENV_CREDENTIALS] = info.credentials  # this module acts as its own stack's operator (issue 14)
     try:
         yield root, info
     finally:
+        if session is None:
+            os.environ.pop(ENV_CREDENTIALS, None)
+        else:
+            os.environ[ENV_CREDENTIALS] = session
         stack_down(root)
 
 
