@@ -27,8 +27,9 @@ from kernel import rules
 __all__ = ["main"]
 
 COMMANDS = ("gate", "sweep", "witness", "moves", "rules")
-MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "reboots", "disks_lost", "timer_deliveries",
-                 "timer_repeats", "idle_stops", "wake_requests", "terminations", "generations_retired")
+MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "rollbacks_clean", "rollbacks_dirty", "reboots",
+                 "disks_lost", "timer_deliveries", "timer_repeats", "idle_stops", "wake_requests", "terminations",
+                 "generations_retired")
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:

@@ -133,6 +133,7 @@ class MovePlan:
     cut: str  # "auto" or "manual"
     cut_at: float  # a manual cut's time
     abort_at: float | None = None  # the operator aborts then (§7.11: legal until the cut is admitted)
+    fail_target: str = ""  # the app fails its readiness on the target, "before-write" or "after-write" (§14.4)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,9 @@ def draw_moves(plan: FaultPlan, workload: Workload, timing: Timing) -> tuple[tup
                 at += plan.uniform("moves.request_after", 120, timing.chaos_s / 2)
                 cut = "manual" if plan.chance("moves.manual_cut", 0.3) else "auto"
                 abort_at = plan.uniform("moves.abort_after", 1, 900) if plan.chance("moves.abort", 0.2) else None
-                moves.append(MovePlan(h.host, nth, at, cut, plan.uniform("moves.cut_after", 30, 900), abort_at))
+                fail = "" if not plan.chance("moves.fail_target", 0.2) else (  # a rollback after the flip (§7.8)
+                    "after-write" if plan.chance("moves.fail_after_write", 0.7) else "before-write")
+                moves.append(MovePlan(h.host, nth, at, cut, plan.uniform("moves.cut_after", 30, 900), abort_at, fail))
         for _ in range(plan.randint("moves.writes", 3, 12)):
             writes.append(WritePlan(h.host, plan.uniform("moves.write_at", h.at, timing.chaos_s + 600)))
         for _ in range(plan.randint("moves.late_writes", 0, 2)):
@@ -205,7 +208,8 @@ class MoveBox(ActorBase):
         """The target's probe app: the production :class:`ProcessApp` spawning a sim instance in the tree."""
         port = self.mworld.net.free_port()
         return ProcessApp(argv=["sim-instance"], port=port, host=host, tree=self.tree, ready_path="/ready",
-                          env={"SIM_DB": str(db_path), "SIM_PORT": str(port), "SIM_FILES": str(db_path.parent / host)},
+                          env={"SIM_DB": str(db_path), "SIM_PORT": str(port), "SIM_FILES": str(db_path.parent / host),
+                               "SIM_FAIL_READY": self.mworld.fail_target(host)},
                           cwd=self.agent.cfg.box_dir)
 
     async def run(self) -> None:
@@ -449,6 +453,7 @@ class MoveWorld(World):
         self.cut: set[tuple[str, int]] = set()
         self.aborted: set[tuple[str, int]] = set()
         self.ended: dict[str, str] = {}  # move id -> outcome, every move that ended
+        self.verdicts: dict[str, str] = {}  # rollback id -> its release's verdict, clean or dirty (§7.8)
         self.chores_seen: dict[str, set[tuple[str, str, str]]] = {}  # the park-generation chores each claim holds
         self.generations_retired = 0  # park-generation chores acknowledged (issue 16)
         self.move_of: dict[tuple[str, int], str] = {}  # (host, nth) -> the move id the status showed for it
@@ -494,6 +499,13 @@ class MoveWorld(World):
         claim = self.checker.claims.get(host)
         return claim.holder.session if claim is not None and claim.holder is not None else None
 
+    def fail_target(self, host: str) -> str:
+        """The fail switch the plan set for the host's live move on its target (:attr:`MovePlan.fail_target`)."""
+        record = self.records.get(host)
+        live = record.move.id if record is not None and record.move is not None else None
+        key = next((k for k, v in self.move_of.items() if v == live), None)
+        return next((m.fail_target for m in self.moves if (m.host, m.nth) == key), "")
+
     def _instance_started(self, inst: SimInstance) -> None:
         claim = self.checker.claims.get(inst.host)
         gen = claim.holder.generation if claim is not None and claim.holder is not None else ""
@@ -509,6 +521,11 @@ class MoveWorld(World):
             (files / "instance.key").write_bytes(self.plan.token(f"key.{inst.host}", 16))
         if not (files / "timers.json").exists():  # and declares its schedule (the agent converges it, §9.4)
             (files / "timers.json").write_text(f'{{"schedules": [{{"name": "tick", "every_s": {TICK_EVERY_S}}}]}}')
+        if inst.fail_ready == "after-write":  # moveprobe's after-write boot commits a row, acknowledged (§14.4)
+            seq = inst.write(f"probe-{inst.pid}", self.clock.now_ms())
+            self.acks.append(Ack(inst.host, inst.box, inst.writer_session, inst.app_session, seq, f"probe-{inst.pid}",
+                                 self.loop.time()))
+            self.trace.emit(inst.box, f"{inst.host} pid {inst.pid} wrote before failing its readiness (seq {seq})")
 
     def _instance_stopped(self, inst: SimInstance, why: str) -> None:
         proc = self.instances.pop(inst.pid, None)
@@ -674,6 +691,9 @@ class MoveWorld(World):
                 self.records[record.host] = record
                 if record.last_move is not None:
                     self.ended[record.last_move.id] = record.last_move.outcome
+                rb = record.move.rollback if record.move is not None else None
+                if rb is not None and rb.target_phase == "released":  # the target's verdict (§7.8)
+                    self.verdicts[rb.id] = "dirty" if rb.dirty else "clean"
                 move = record.move
                 if move is not None and move.committed_at is not None and move.cut_deadline is not None \
                         and move.committed_at > move.cut_deadline:
@@ -942,6 +962,8 @@ class MoveWorld(World):
         return {"moves_asked": len(self.asked), "moves_done": ended.count("done"),
                 "moves_aborted": ended.count("aborted"),
                 "moves_rolled_back": ended.count("rolled_back"), "writes_acknowledged": len(self.acks),
+                "rollbacks_dirty": list(self.verdicts.values()).count("dirty"),
+                "rollbacks_clean": list(self.verdicts.values()).count("clean"),
                 "reboots": self.reboots, "disks_lost": self.disks_lost,
                 "timer_deliveries": sum(len(v) for v in self.timer_runs.values()), "timer_repeats": self.timer_repeats,
                 "idle_stops": self.idle_stops, "wake_requests": self.wake_requests,

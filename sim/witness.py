@@ -27,7 +27,7 @@ from services.door.auth import Identity
 from services.door.decide import MoveRequest
 from services.ledger.ledger import Committed
 from sim.faults import QuietPlan, Timing
-from sim.moves import MoveConsole, MoveWorld
+from sim.moves import MoveConsole, MovePlan, MoveWorld
 from sim.run import DEFAULT_TIMING, Result, execute
 from sim.twins.s3 import Hold, Request
 from sim.workload import HostPlan, Workload
@@ -394,8 +394,41 @@ async def w_disk_lost(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+async def w_dirty_rollback(world: World) -> None:
+    """The app writes on the target during its probe and then fails its readiness there (moveprobe's after-write
+    switch, §14.4): the landing rolls back after the flip and the target's release is dirty (§7.8). It returns its
+    stopped state through the return lane, the source installs it into ``g-<rb>`` and is admitted cold into it: the
+    move closes ``rolled_back``, the host serves on ie-1 again and the row the target acknowledged is in its database
+    (INV-2), the target's location and lanes are parked (INV-10). Mutated (``dirty-return`` off), the written target
+    is taken as clean and the source recovers its own state without the target's row: INV-2. Mutated
+    (``target-park`` off), nothing parks what the target released: its location keeps the probe's generations,
+    INV-10."""
+    mw = await _serving_with_writes(world, 3)
+    mw.moves = (MovePlan(H, 0, float("inf"), "auto", 0.0, None, "after-write"),)  # the operator's one move
+    await _request_move(mw, "uk")
+    record = mw.records.get(H)
+    if record is not None and record.move is not None:  # the plan's switch is this move's from its request on
+        mw.move_of[(H, 0)] = record.move.id
+    await _closed(mw)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 2, "after")
+
+
+async def w_target_park(world: World) -> None:
+    """wDirtyRollback's script, then two calm hours. Mutated (``target-park`` off), the target's release adds no
+    park of what it released; the at-rest sweep retires that location later (defence in depth, §6.4), so only with
+    ``straggler-sweep`` off too does the target's location keep the probe's generations in a region the host left:
+    INV-10."""
+    await w_dirty_rollback(world)
+    await asyncio.sleep(2 * 3600.0)
+
+
 WITNESSES: tuple[Witness, ...] = (
     Witness("wMove", ("close-record-first",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
+    Witness("wDirtyRollback", ("dirty-return",), "INV-2", ((H, "ie-1"),), w_dirty_rollback,
+            w_dirty_rollback.__doc__ or "", moves=True),
+    Witness("wTargetPark", ("straggler-sweep", "target-park"), "INV-10", ((H, "ie-1"),), w_target_park,
+            w_target_park.__doc__ or "", moves=True),
     Witness("wParkExact", ("park-exact-versions",), "actor-error", ((H, "ie-1"),), w_move,
             "wMove's script. Mutated (bare-key deletes), the source's park finds its scope refilled by the delete "
             "markers it leaves and stops with ParkError (the park's own check, reported as actor-error).", moves=True),

@@ -62,8 +62,10 @@ class SimInstance:
     """One running instance (see the module docstring); ``process`` duck-types ``subprocess.Popen``."""
 
     def __init__(self, pid: int, box: str, host: str, db_path: Path, writer_session: int | None, port: int,
-                 probe: bool) -> None:
+                 probe: bool, fail_ready: str = "") -> None:
         self.pid = pid
+        self.fail_ready = fail_ready
+        """``before-write`` or ``after-write``: its readiness fails (moveprobe's fail switch, §14.4)."""
         self.box = box
         self.host = host
         self.db_path = db_path
@@ -127,7 +129,9 @@ class SimNet:
     async def get_status(self, url: str, timeout_s: float) -> int | None:
         port = urlsplit(url).port
         inst = self.listening.get(port or 0)
-        return 200 if inst is not None and inst.alive else None
+        if inst is None or not inst.alive:
+            return None
+        return 503 if inst.fail_ready else 200
 
     async def post_json(self, url: str, body: Mapping[str, Any], timeout_s: float) -> int | None:
         """A timer delivery (``POST /timers/<name>``, §9.4): the live instance on the port takes it."""
@@ -177,7 +181,7 @@ class SimTree:
         self.journal[host] = (self.boot, (strict if boot == self.boot else 0) + 1)
         port = int(env.get("SIM_PORT", "0")) or self.net.free_port()
         inst = SimInstance(self.next_pid(), self.box, host, Path(env["SIM_DB"]), self.writer_session(host), port,
-                           probe=env.get("CARLOS_MOVE_PROBE") == "1")
+                           probe=env.get("CARLOS_MOVE_PROBE") == "1", fail_ready=env.get("SIM_FAIL_READY", ""))
         self.leaves[host].append(inst)
         self.net.listening[port] = inst
         self.on_start(inst)
