@@ -428,3 +428,13 @@ def test_status_detail_adds_the_journal() -> None:
     full = status_view(HOST, claim, rec, detail=True)
     assert full["detail"]["move"]["source"]["evidence"] == "" and "rollback" in full["detail"]["move"]
     assert full["detail"]["op"]["intent"]["target"] == "uk-1"
+
+
+def test_a_refusal_quotes_an_integer_no_durable_document_may_hold() -> None:
+    """Found by the schema fuzzing: a release number outside the safe integer range made the refusal itself fail
+    (the quoted value went through the durable-value check), a 500 where the request deserves its 400."""
+    from services.door.decide import parse_create_request
+
+    for n in (2**90, -(2**90)):
+        got = parse_create_request(b'{"box": "ie-1", "app": "notes", "release": %d}' % n)
+        assert isinstance(got, DoorRefusal) and got.status == 400 and str(n) in got.reason, got

@@ -46,7 +46,7 @@ from bus.log import LogError, LogUnavailable, require_available
 from events.base import decode
 from events.claim import AppRef, Claim
 from events.copy import say
-from events.durable import DurableValueError
+from events.durable import MAX_SAFE_INTEGER, DurableValueError
 from events.ids import new_incarnation, new_op_id
 from events.record import Record
 from kernel.logctx import ctx
@@ -813,11 +813,12 @@ def _schemas() -> dict[str, Any]:
         },
         "CreateRequest": {
             "type": "object", "additionalProperties": False, "required": ["box"],
+            "dependentRequired": {"release": ["app"]},
             "properties": {"box": {"type": "string", "pattern": NAME_PATTERN,
                                    "description": "a box label in the roster"},
                            "app": {"type": "string", "pattern": APP_PATTERN,
                                    "description": "the app the host runs (a published release, issue 18)"},
-                           "release": {"type": "integer", "minimum": 1,
+                           "release": {"type": "integer", "minimum": 1, "maximum": MAX_SAFE_INTEGER,
                                        "description": "the app's release number (default: its newest)"}},
         },
         "Move": move,

@@ -23,6 +23,7 @@ import msgspec
 from events.base import Durable, canonical
 from events.claim import AppRef, Claim, Op
 from events.copy import say
+from events.durable import MAX_SAFE_INTEGER, DurableValueError
 from events.record import Move, Record
 from services.apps.manifest import Release
 from services.box.roster import MOVES_PROTOCOL, Roster, RosterBox
@@ -73,8 +74,12 @@ def refuse(status: int, copy_id: str, /, **values: object) -> DoorRefusal:
 
 
 def echo(value: object) -> str:
-    """Operator input quoted back, bounded and printable."""
-    text = value if isinstance(value, str) else canonical(value).decode("utf-8", "replace")
+    """Operator input quoted back, bounded and printable (a value no durable document may hold, such as an integer
+    outside the safe range, is quoted as Python writes it: a refusal never fails on the input it names)."""
+    try:
+        text = value if isinstance(value, str) else canonical(value).decode("utf-8", "replace")
+    except DurableValueError:
+        text = repr(value)[: MAX_ECHO + 1]
     text = "".join(ch if ch.isprintable() else "?" for ch in text)
     return repr(text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "...")
 
@@ -209,10 +214,12 @@ def parse_create_request(body: bytes) -> CreateRequest | DoorRefusal:
     if not isinstance(box, str) or not _REGION_RE.match(box):
         return refuse(400, "M-R4", reason=f"box must be a box label, not {echo(box)}")
     app, release = value.get("app"), value.get("release")
+    if isinstance(release, float) and release.is_integer():  # JSON Schema's integer: 3.0 is the number 3
+        release = int(release)
     if app is not None and (not isinstance(app, str) or not _APP_RE.match(app)):
         return refuse(400, "M-R4", reason=f"app must be an app name, not {echo(app)}")
     if release is not None and (app is None or isinstance(release, bool) or not isinstance(release, int)
-                                or release < 1):
+                                or not 1 <= release <= MAX_SAFE_INTEGER):
         return refuse(400, "M-R4", reason=f"release must be a release number (1 or more) of the app, not "
                                           f"{echo(release)}")
     return CreateRequest(box=box, app=app, release=release)
