@@ -21,7 +21,7 @@ test: $(STAMP)
 
 # Each benchmark prints `RESULT <name> ratio=<x> target=<y>` last and exits non-zero below target;
 # `make bench` runs them all and reports every result before failing.
-BENCHES := ledger projection replication archive move sim retention
+BENCHES := ledger projection replication archive move sim retention readiness
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(BIN)/python -m bench.$$b || rc=1; done; exit $$rc
 

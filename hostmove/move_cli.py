@@ -485,6 +485,28 @@ def status_lines(view: Mapping[str, Any], now_ms: int) -> list[str]:
     return lines
 
 
+def readiness_lines(view: Mapping[str, Any]) -> list[str]:
+    """``move status --detail``: the target's readiness report (§7.3) as the door read it: when it was written, its
+    failing checks, and T11's measured rates and estimate (issue 18 item 4)."""
+    detail = view.get("detail")
+    report = detail.get("readiness") if isinstance(detail, dict) else None
+    if not isinstance(report, dict):
+        return ["readiness: the target has not written its readiness report for this move"]
+    lines = [f"readiness report of {report.get('box')} at {utc_text(report.get('at'))}: "
+             f"{'ready' if report.get('ready') else 'not ready'}"]
+    for check in report.get("failing") or []:
+        lines.append(f"  {check.get('check')} fails: {check.get('detail')}")
+    t = report.get("t11") or {}
+    if t:
+        lines.append(f"  T11 rates used (MiB/s): cross-region {t.get('cross_region_mib_s')}, regional S3 "
+                     f"{t.get('regional_s3_mib_s')}, disk write {t.get('disk_write_mib_s')}, disk read "
+                     f"{t.get('disk_read_mib_s')}")
+        lines.append(f"  T11 budget for {t.get('db_mib')} MiB: {t.get('total_s')} s ({t.get('fixed_s')} s fixed, "
+                     f"first attempt {t.get('first_attempt_s')} s) against the {t.get('window_s')} s window; "
+                     f"{int(t.get('attempts') or 0)} attempt(s) admitted")
+    return lines
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
@@ -532,6 +554,8 @@ def add_parser(subparsers: Any) -> None:
     st.add_argument("--host", required=True)
     st.add_argument("--json", action="store_true", help="print the door's JSON as it answered")
     st.add_argument("--watch", action="store_true", help="then follow the move as `hostmove move watch` does")
+    st.add_argument("--detail", action="store_true",
+                    help="also the target's readiness report: its failing checks and T11's measured rates and budget")
     _follow_options(st, inherit=True)
     for name, text in (("cut", "cut a manual move that is ready"),
                        ("abort", "abort a move in preparing, ready, or with its cut only requested")):
@@ -669,6 +693,8 @@ async def _status(door: DoorClient, args: argparse.Namespace, clock: Clock, out:
         return not_ok(reply, err)
     lines = [json.dumps(reply.body, indent=2, sort_keys=True)] if getattr(args, "json", False) else status_lines(
         reply.body, clock.now_ms())
+    if getattr(args, "detail", False) and not getattr(args, "json", False):
+        lines += readiness_lines(reply.body)
     for line in lines:
         _print(line, out)
     if getattr(args, "watch", False):
@@ -778,6 +804,7 @@ async def follow(door: DoorClient, host: str, move_id: str, first: Mapping[str, 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "UNTIL", "ConfigProblem", "DoorClient",
     "DoorConfig", "DoorUnreachable", "NotTheDoor", "Reply", "Timing", "Watch", "add_host_resolve", "add_parser",
+    "readiness_lines",
     "closing_line", "follow", "load_config", "milestones", "not_ok", "offline_ms", "outcome", "redact_url",
     "rev_phase", "run", "run_host_resolve", "serving_end", "status_lines", "timings",
 ]

@@ -186,7 +186,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from kernel.failpoints import Failpoints
     from kernel.timetext import utc_text
     from services.agent.config import BoxConfigError, load_box
-    from services.agent.service import PROFILES, BoxAgent, idle_override, prepare_override
+    from services.agent.service import PROFILES, BoxAgent, cut_window_override, idle_override, prepare_override
     from services.box.instance.agentcg import box_session
     from services.box.instance.proctree import CgroupTree
     from services.box.roster import ensure_deployment
@@ -205,6 +205,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     try:
         timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
         timing = prepare_override(timing, os.environ.get("HOSTMOVE_PREPARE_BOUND_S"))
+        timing = cut_window_override(timing, os.environ.get("HOSTMOVE_CUT_WINDOW_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2

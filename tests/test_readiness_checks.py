@@ -26,6 +26,7 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events import Actor
 from events.ids import new_incarnation
+from hostmove.move_cli import readiness_lines
 from hostmove.rehearsal import last_move_state
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
@@ -77,12 +78,13 @@ async def target_report(w: AgentWorld, host: str, move_id: str) -> TargetReport 
     return msgspec.json.decode(body, type=TargetReport) if body is not None else None
 
 
-async def failing(w: AgentWorld, host: str, move_id: str, check: str) -> str:
-    """The detail of ``check`` once the target's report fails it."""
+async def failing(w: AgentWorld, host: str, move_id: str, check: str, saying: str = "") -> str:
+    """The detail of ``check`` once the target's report fails it (saying ``saying``)."""
 
     async def seen() -> str | None:
         report = await target_report(w, host, move_id)
-        found = [c for c in report.checks if c.check == check and c.status == "fail"] if report else []
+        found = [c for c in report.checks if c.check == check and c.status == "fail" and saying in c.detail] \
+            if report else []
         return found[0].detail if found else None
 
     return await eventually(seen, f"the target's report failing {check}", 60)
@@ -130,7 +132,7 @@ async def test_a_target_with_another_key_fails_t2_and_the_move_aborts_itself(
         assert console is not None
         assert detail.startswith(f"{w.labels['uk']} holds the secrets key {secrets_key_fp(rebuilt)[:23]}..., not the "
                                  f"deployment's {console.fp[:23]}...; install the deployment's key"), detail
-        t3 = await failing(w, host, move_id, "T3")
+        t3 = await failing(w, host, move_id, "T3", saying="(T2)")
         assert "does not hold the deployment's secrets key (T2)" in t3, t3
         assert await closed(w, host, move_id, timeout_s=60) == "aborted"
         last = await last_move_state(events, host, move_id)
@@ -153,11 +155,19 @@ async def test_t3_names_a_variable_the_target_sets_otherwise_until_it_matches(
         host = f"{unique('env')}.example.com"
         await create_on_ie(w, host)
         move_id = await request(w, host)
-        detail = await failing(w, host, move_id, "T3")
+        detail = await failing(w, host, move_id, "T3", saying="differs")
         assert detail == "the launch environment differs from the source's in: APP_MODE", detail
         assert "strict-and-secret" not in detail and "standard" not in detail
         record = (await w.ledger.read_record(host)).state
         assert record is not None and record.move is not None and record.move.state == "preparing"
+        door = Door(w.ledger, clock=WallClock(), rng=SystemRandom())  # what `hostmove move status --detail` shows
+        status = await door.status(host, detail=True)
+        lines = readiness_lines(status.body)
+        assert any(line.startswith("  T3 fails: the launch environment differs") for line in lines), lines
+        t11 = status.body["detail"]["readiness"]["t11"]
+        assert t11["disk_write_mib_s"] > 0 and t11["regional_s3_mib_s"] > 0 and t11["cross_region_mib_s"] > 0
+        assert (t11["cross_region_mib_s"], t11["regional_s3_mib_s"]) != (10, 250), "measured, not the example's"
+        assert any(line.startswith("  T11 rates used (MiB/s): cross-region ") for line in lines), lines
         overlay.write_text("APP_MODE=standard\n")  # the operator fixes the box
         assert await closed(w, host, move_id) == "done"
         claim = (await w.ledger.read_claim(host)).state

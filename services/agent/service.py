@@ -97,11 +97,12 @@ from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.generations import ChoresReport
 from services.sweeper.straggler import StragglerSweep, SweepReport
-from services.target.budget import Rates
+from services.target.budget import FAST_BUDGET, PRODUCTION_BUDGET, BudgetTiming
 from services.target.observe import TargetObserver
 from services.target.probe import FAST as PROBE_FAST
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeTiming
+from services.target.rates import RateProbe
 from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
@@ -147,11 +148,16 @@ class AgentTiming:
     recovery: StartPolicy | None = FAST_RECOVERY
     """The starts of one recovery probe attempt of a rollback's source (§7.8: nine attempts before ``stuck``); None:
     the box's policy, §7.7's five starts in a 30 s window (the production profile)."""
+    budget: BudgetTiming = FAST_BUDGET
+    """What T11 prices beside the measured rates (the probe's window and settle, the open, the cut window, §7.3)."""
+    rates_max_age_s: float = 60.0
+    """The box's measured rates are measured again once older than this (:mod:`services.target.rates`)."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
     source=source_phases.PRODUCTION, park=parking.PRODUCTION, poll_s=5.0), probe=PROBE_PRODUCTION, sync_interval_s=1.0,
-    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0, retention_ms=None, recovery=None)
+    timer_tick_s=1.0, sweep_s=600.0, idle_s=900.0, retention_ms=None, recovery=None, budget=PRODUCTION_BUDGET,
+    rates_max_age_s=600.0)
 FAST_AGENT = AgentTiming()
 
 
@@ -182,6 +188,23 @@ def prepare_override(timing: AgentTiming, text: str | None) -> AgentTiming:
         raise ValueError(f"HOSTMOVE_PREPARE_BOUND_S must be a positive number of seconds, not {text!r}")
     move = replace(timing.move, source=replace(timing.move.source, prepare_bound_s=bound))
     return replace(timing, move=move)
+
+
+def cut_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_CUT_WINDOW_S``: the operator's cut window (§7.3 T11 "fits the operator's cut window (default
+    120 s)", the M2 promise): the source's cut deadline and T11's window both take it, so T11 never admits a cut the
+    deadline then rolls back. Unset keeps the profile's; anything else is refused with the reason."""
+    if text is None or not text.strip():
+        return timing
+    try:
+        window = float(text)
+    except ValueError:
+        window = -1.0
+    if not timing.move.source.open_budget_s < window < float("inf"):
+        raise ValueError(f"HOSTMOVE_CUT_WINDOW_S must be a number of seconds above the open budget "
+                         f"({timing.move.source.open_budget_s:g} s), not {text!r}")
+    move = replace(timing.move, source=replace(timing.move.source, cut_window_s=window))
+    return replace(timing, move=move, budget=replace(timing.budget, window_s=window))
 
 
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
@@ -251,7 +274,9 @@ class BoxAgent:
             self.observer = TargetObserver(
                 label=cfg.label, region=cfg.region, store=store, bucket=bucket, apps=self.apps, secrets_key=key,
                 read_claim=self._read_claim, read_record=self._read_record, strict=tree.strict_available,
-                rates=self._rates, journal_dir=cfg.box_dir / ".moves")
+                rates=RateProbe(cfg.label, cfg.box_dir, store, cfg.data_bucket, region_bucket, clock,
+                                max_age_s=self.timing.rates_max_age_s).rates,
+                journal_dir=cfg.box_dir / ".moves", budget=self.timing.budget)
             facts = self.observer.facts
         self.target = TargetRunners(deployment, TargetSide(self.landing, facts), self.timing.move, faults=faults)
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
@@ -282,9 +307,6 @@ class BoxAgent:
     async def _read_record(self, host: str) -> Record | None:
         return (await self.ledger.read_record(host)).state
 
-    async def _rates(self) -> Rates | None:
-        """T11's rates: the spec's worked example's (§7.3) until the box measures its own."""
-        return Rates(10, 250, 500)
 
     @property
     def instances(self) -> Instances:
@@ -836,4 +858,4 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
 
 
 __all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
-           "idle_override", "prepare_override", "read_endpoint"]
+           "cut_window_override", "idle_override", "prepare_override", "read_endpoint"]

@@ -81,6 +81,8 @@ from services.hosts.create import create_host
 from services.ledger.ledger import Committed, Conflict, Ledger, LedgerDefect, NoChange, Refusal
 from services.move.resolve import NotStuck, decide_clear_failed, decide_retry
 from services.objstore.port import Got, StoreError, StoreUnavailable
+from services.target.readiness import TargetReport
+from services.target.readiness import report_key as readiness_key
 
 log = logging.getLogger("hostmove.door")
 
@@ -366,7 +368,24 @@ class Door:
         record = await self.record(host)
         if claim is None and record is None:
             return refusal_answer(refuse(404, "M-R2", host=host))
-        return Answer(200, status_view(host, claim, record, detail=detail))
+        view = status_view(host, claim, record, detail=detail)
+        if detail and record is not None and record.move is not None and isinstance(view.get("detail"), dict):
+            view["detail"]["readiness"] = await self.readiness(host, record.move.id)
+        return Answer(200, view)
+
+    async def readiness(self, host: str, move_id: str) -> dict[str, Any] | None:
+        """The target's readiness report of this move (§7.3 ``target.json``): when, whether ready, the failing
+        checks and T11's rates and estimate; None before the target wrote one."""
+        with reading(f"The readiness report of {host}"):
+            got = await self.ledger.store.get(self.ledger.bucket, readiness_key(host, move_id))
+        if not isinstance(got, Got):
+            return None
+        try:
+            report = msgspec.json.decode(got.body, type=TargetReport)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return {"box": report.box, "at": report.at, "ready": report.ready,
+                "failing": [{"check": c.check, "detail": c.detail} for c in report.failing()], "t11": report.t11}
 
     # -- create -----------------------------------------------------------------------------------
 

@@ -15,6 +15,14 @@ three measured rates: the cross-region copy path ``xr``, regional S3 ``s3`` and 
 
 The spec's worked example leaves 6.0 s of the fixed costs unitemized (stop, checkpoint, archive,
 render): they are inputs here, with defaults that sum to 6.0 s.
+
+**Measured rates** (issue 18 item 4): a box measures its disk's write and read rates apart
+(:mod:`services.target.rates`); with ``disk_read`` given, the passes price a disk write where the
+database is written (the restore) and a disk read where it is read (the snapshot, the anchor, the
+verification, a fresh generation's first upload). Without it, one ``disk`` rate prices both, as the
+spec's example does. The constants of the probe's protocol (window, settle, admission, open) are the
+box's timing profile (:class:`BudgetTiming`): the spec's for production, the fast profile's for the
+tests and the demo, whose probe window and cut window are the fast profile's.
 """
 
 from __future__ import annotations
@@ -37,11 +45,23 @@ class Rates:
     cross_region: float
     regional_s3: float
     disk: float
+    """The disk's write rate (and its read rate too when ``disk_read`` is None)."""
+    disk_read: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("cross_region", "regional_s3", "disk"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"the {name.replace('_', ' ')} rate must be positive")
+        if self.disk_read is not None and not self.disk_read > 0:
+            raise ValueError("the disk read rate must be positive")
+
+    @property
+    def disk_write(self) -> float:
+        return self.disk
+
+    @property
+    def read(self) -> float:
+        return self.disk_read if self.disk_read is not None else self.disk
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,27 @@ class FixedOverheads:
     @property
     def total(self) -> float:
         return self.stop_s + self.checkpoint_s + self.archive_s + self.render_s
+
+
+@dataclass(frozen=True)
+class BudgetTiming:
+    """The constants of the cut's protocol T11 prices (the box's timing profile)."""
+
+    probe_window_s: float = PROBE_WINDOW_S
+    settle_s: float = SETTLE_S
+    admission_s: float = ADMISSION_S
+    open_budget_s: float = OPEN_BUDGET_S
+    overheads: FixedOverheads = FixedOverheads()
+    window_s: float = DEFAULT_WINDOW_S
+    """The operator's cut window the estimate must fit."""
+
+
+PRODUCTION_BUDGET = BudgetTiming()
+FAST_BUDGET = BudgetTiming(probe_window_s=6.0, settle_s=0.3, admission_s=0.3, open_budget_s=0.5,
+                           overheads=FixedOverheads(stop_s=0.5, checkpoint_s=0.2, archive_s=0.3, render_s=0.2),
+                           window_s=12.0)
+"""The fast profile's (``services.target.probe.FAST``, ``services.source.phases.FAST``): its probe window and settle,
+its open budget and cut window, and what its stop, checkpoint, archive, render and admission take on one machine."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +127,15 @@ class Budget:
     def margin_s(self) -> float:
         return self.window_s - self.total_s
 
+    def summary(self, rates: Rates) -> dict[str, float]:
+        """What the readiness report records of T11 (``move status --detail`` prints it): the rates used (MiB/s),
+        the database priced, the estimate, the window and the attempts admitted."""
+        return {"cross_region_mib_s": round(rates.cross_region, 3), "regional_s3_mib_s": round(rates.regional_s3, 3),
+                "disk_write_mib_s": round(rates.disk_write, 3), "disk_read_mib_s": round(rates.read, 3),
+                "db_mib": round(self.db_mib, 3), "fixed_s": round(self.fixed_s, 3),
+                "first_attempt_s": round(self.attempt_costs[0], 3), "total_s": round(self.total_s, 3),
+                "window_s": self.window_s, "attempts": float(self.attempts)}
+
     def reason(self) -> str:
         """Why T11 refuses, in the operator's words (M-C4's "<reason>")."""
         if self.eligible:
@@ -101,17 +151,25 @@ def t11(
     window_s: float = DEFAULT_WINDOW_S,
     overheads: FixedOverheads | None = None,
     open_budget_s: float = OPEN_BUDGET_S,
+    timing: BudgetTiming | None = None,
 ) -> Budget:
-    """Price the cut of a ``db_mib`` MiB database and count the probe attempts the window admits."""
+    """Price the cut of a ``db_mib`` MiB database and count the probe attempts the window admits. ``timing``, when
+    given, sets the window, the overheads and the probe's constants (and overrides ``window_s``, ``overheads`` and
+    ``open_budget_s``)."""
     if db_mib < 0:
         raise ValueError("the database size cannot be negative")
+    if timing is not None:
+        window_s, overheads, open_budget_s = timing.window_s, timing.overheads, timing.open_budget_s
+    t = timing or BudgetTiming()
     over = overheads or FixedOverheads()
-    pass_s = db_mib / rates.regional_s3 + db_mib / rates.disk
-    verify_s = db_mib / rates.disk
+    write = db_mib / rates.regional_s3 + db_mib / rates.disk_write  # the restore: regional read, disk write
+    read = db_mib / rates.read + db_mib / rates.regional_s3  # a snapshot, an anchor, an upload: disk read, S3 write
+    pass_s = write if rates.disk_read is None else max(write, read)
+    verify_s = db_mib / rates.read
     mirror_s = MIRROR_BAR_MIB / rates.cross_region
-    fixed = over.total + mirror_s + 3 * pass_s + verify_s + open_budget_s
-    first = pass_s + ADMISSION_S + PROBE_WINDOW_S + SETTLE_S
-    costs = tuple(first if i == 0 else first + pass_s for i in range(MAX_ATTEMPTS))
+    fixed = over.total + mirror_s + write + 2 * read + verify_s + open_budget_s
+    first = write + t.admission_s + t.probe_window_s + t.settle_s
+    costs = tuple(first if i == 0 else first + read for i in range(MAX_ATTEMPTS))
     admitted, spent = 0, fixed
     for cost in costs:
         if spent + cost > window_s + 1e-9:
@@ -119,7 +177,7 @@ def t11(
         spent += cost
         admitted += 1
     return Budget(
-        db_mib=db_mib, window_s=window_s, pass_s=pass_s, restore_s=pass_s, snapshot_s=pass_s, anchor_s=pass_s,
+        db_mib=db_mib, window_s=window_s, pass_s=pass_s, restore_s=write, snapshot_s=read, anchor_s=read,
         verify_s=verify_s, mirror_s=mirror_s, other_s=over.total + open_budget_s, fixed_s=fixed,
         attempt_costs=costs, attempts=admitted,
     )

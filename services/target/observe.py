@@ -43,10 +43,11 @@ from services.box.roster import MOVES_PROTOCOL, read_deployment_key, read_roster
 from services.door.decide import DEFAULT_FLOOR
 from services.objstore.port import ObjectStore
 from services.source import report as launch_report
-from services.target.budget import DEFAULT_WINDOW_S, Rates
+from services.target.budget import PRODUCTION_BUDGET, BudgetTiming, Rates
 from services.target.readiness import BoxFacts
 
-RateSource = Callable[[], Awaitable[Rates | None]]
+RateSource = Callable[[str], Awaitable[Rates | None]]
+"""The rates for a cut from a source region into this box (:meth:`services.target.rates.RateProbe.rates`)."""
 
 
 def compare_environment(mine: Mapping[str, str], classes: Mapping[str, SlotClass],
@@ -105,7 +106,7 @@ class TargetObserver:
     journal_dir: Path
     protocol: int = MOVES_PROTOCOL
     release: str = ""
-    window_s: float = DEFAULT_WINDOW_S
+    budget: BudgetTiming = PRODUCTION_BUDGET
 
     async def facts(self, host: str) -> BoxFacts:
         claim, record = await self.read_claim(host), await self.read_record(host)
@@ -150,13 +151,22 @@ class TargetObserver:
         return BoxFacts(
             protocol=self.protocol, protocol_floor=floor.min if floor is not None else DEFAULT_FLOOR,
             protocol_detail=below or "", console_secrets_key_fp=want,
-            secrets_key_fp=have, key_detail=t2 or "", rates=await self.rates(), environment_matches=env_ok,
+            secrets_key_fp=have, key_detail=t2 or "", rates=await self.rates(self._source_region(claim, record)),
+            environment_matches=env_ok,
             environment_detail=env_detail,
             release_staged=staged_ok, release_detail=staged_detail, hosting_boxes=hosting,
-            hosting_detail=hosting_detail, window_s=self.window_s, landing_armed=staged_ok and strict_ok,
+            hosting_detail=hosting_detail, window_s=self.budget.window_s, budget_timing=self.budget,
+            landing_armed=staged_ok and strict_ok,
             rollback_target_armed=strict_ok and journal_ok,
             armed_detail="" if strict_ok and journal_ok else (strict_why if not strict_ok else
                                                               f"{self.journal_dir} is not writable"))
+
+    @staticmethod
+    def _source_region(claim: Claim | None, record: Record | None) -> str:
+        move = record.move if record is not None else None
+        if move is not None and move.from_:
+            return move.from_
+        return str(claim.op.intent.get("from", "")) if claim is not None else ""
 
     async def _environment(self, host: str, move_id: str, env: Mapping[str, str], classes: Mapping[str, SlotClass],
                            release: str, digest: str, t2: str | None) -> tuple[bool, str]:

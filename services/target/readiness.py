@@ -29,7 +29,7 @@ from services.box.artifacts.archive import ArchiveError, extract
 from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
 from services.ledger.ledger import Ledger
 from services.objstore.port import Got, ObjectStore, StoreError
-from services.target.budget import DEFAULT_WINDOW_S, Budget, Rates, t11
+from services.target.budget import DEFAULT_WINDOW_S, Budget, BudgetTiming, Rates, t11
 
 rules.register(
     "readiness-key",
@@ -62,6 +62,9 @@ class TargetReport(msgspec.Struct, frozen=True):
     checks: tuple[Check, ...]
     t11_attempts: int = 0
     inputs: dict[str, str] = msgspec.field(default_factory=dict)
+    t11: dict[str, float] = msgspec.field(default_factory=dict)
+    """T11's rates and estimate (:meth:`services.target.budget.Budget.summary`): what ``move status --detail``
+    prints."""
 
     def failing(self) -> list[Check]:
         return [c for c in self.checks if c.status != "pass"]
@@ -283,6 +286,8 @@ class BoxFacts:
     hosting_boxes: tuple[str, ...] = ()
     hosting_detail: str = ""
     window_s: float = DEFAULT_WINDOW_S
+    budget_timing: BudgetTiming | None = None
+    """The box's timing profile T11 prices (its window overrides ``window_s``); None: the spec's constants."""
     landing_armed: bool | None = None
     rollback_target_armed: bool | None = None
     armed_detail: str = ""
@@ -338,10 +343,13 @@ async def report_readiness(
         release_staged=facts.release_staged, release_detail=facts.release_detail, hosting_boxes=facts.hosting_boxes,
         hosting_detail=facts.hosting_detail, lane_ok=lane_ok,
         lane_detail=lane_detail,
-        budget=t11(replica_bytes / (1 << 20), facts.rates, window_s=facts.window_s) if facts.rates else None,
+        budget=t11(replica_bytes / (1 << 20), facts.rates, window_s=facts.window_s, timing=facts.budget_timing)
+        if facts.rates else None,
         landing_armed=facts.landing_armed, rollback_target_armed=facts.rollback_target_armed,
         armed_detail=facts.armed_detail,
     )
     report = assess(obs, claim, record, clock.now_ms())
+    if obs.budget is not None and facts.rates is not None:
+        report = msgspec.structs.replace(report, t11=obs.budget.summary(facts.rates))
     await write_report(ledger.store, ledger.bucket, report)
     return report
