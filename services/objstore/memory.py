@@ -24,6 +24,7 @@ clock: ``last_modified_ms`` comes from an injectable clock (default: a counter).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import itertools
 import random
@@ -194,6 +195,22 @@ class _Version:
 class _Bucket:
     versioned: bool
     keys: dict[str, list[_Version]] = field(default_factory=dict)  # oldest first
+    names: list[str] = field(default_factory=list)
+    """Every key of ``keys``, sorted: a listing finds its prefix by bisection instead of reading every key."""
+
+    def under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, sorted."""
+        names = self.names
+        i = j = bisect.bisect_left(names, prefix)
+        while j < len(names) and names[j].startswith(prefix):
+            j += 1
+        return names[i:j]
+
+    def drop(self, key: str) -> None:
+        if self.keys.pop(key, None) is not None:
+            i = bisect.bisect_left(self.names, key)
+            if i < len(self.names) and self.names[i] == key:
+                del self.names[i]
 
 
 def _md5_etag(body: bytes) -> str:
@@ -261,7 +278,10 @@ class MemoryStore:
         return f"{self.rng.getrandbits(128):032x}" if b.versioned else _NULL
 
     def _add(self, b: _Bucket, key: str, version: _Version) -> None:
-        versions = b.keys.setdefault(key, [])
+        versions = b.keys.get(key)
+        if versions is None:
+            versions = b.keys[key] = []
+            bisect.insort(b.names, key)
         if version.version_id == _NULL:
             versions[:] = [v for v in versions if v.version_id != _NULL]
         versions.append(version)
@@ -380,7 +400,7 @@ class MemoryStore:
                 if target is not None:
                     b.keys[key].remove(target)
                     if not b.keys[key]:
-                        del b.keys[key]
+                        b.drop(key)
                 return Won(None, version_id)
             cur = self._current(b, key)
             if if_match is not None and (cur is None or not _etag_matches(if_match, cur.etag)):
@@ -389,7 +409,7 @@ class MemoryStore:
                 marker = _Version(self._new_vid(b), None, None, {}, self._clock())
                 self._add(b, key, marker)
                 return Won(None, marker.version_id)
-            b.keys.pop(key, None)
+            b.drop(key)
             return Won(None, None)
 
         return await self._run("delete", key, effect)
@@ -418,7 +438,7 @@ class MemoryStore:
         def effect() -> list[VersionEntry]:
             b = self._bucket(bucket)
             out: list[VersionEntry] = []
-            for key in sorted(k for k in b.keys if k.startswith(prefix)):
+            for key in b.under(prefix):
                 versions = b.keys[key]
                 for i, v in enumerate(reversed(versions)):
                     out.append(
@@ -439,7 +459,7 @@ class MemoryStore:
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         def effect() -> list[str]:
             b = self._bucket(bucket)
-            return sorted(k for k in b.keys if k.startswith(prefix) and self._current(b, k) is not None)
+            return [k for k in b.under(prefix) if self._current(b, k) is not None]
 
         return await self._run("list_keys", None, effect)
 

@@ -250,7 +250,7 @@ class SimS3:
     def current_keys(self, bucket: str, prefix: str) -> list[str]:
         """The keys with a current version under ``prefix`` now (an oracle's read: no request, no fault)."""
         b = self.inner._bucket(bucket)
-        return sorted(k for k in b.keys if k.startswith(prefix) and self.inner._current(b, k) is not None)
+        return [k for k in b.under(prefix) if self.inner._current(b, k) is not None]
 
     def idle(self) -> bool:
         """No request in flight and no caller paused before sending one (a frozen replicator that has not
