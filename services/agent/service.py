@@ -97,7 +97,7 @@ from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.generations import ChoresReport
 from services.sweeper.straggler import StragglerSweep, SweepReport
-from services.target.budget import FAST_BUDGET, PRODUCTION_BUDGET, BudgetTiming
+from services.target.budget import FAST_BUDGET, PRODUCTION_BUDGET, BudgetTiming, Rates
 from services.target.observe import TargetObserver
 from services.target.probe import FAST as PROBE_FAST
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
@@ -235,7 +235,7 @@ class BoxAgent:
     def __init__(self, cfg: BoxConfig, *, store: ObjectStore, bucket: str, events: EventLog, ledger: Ledger,
                  clock: Clock, rng: Random, tree: ProcessTree, probe_factory: ProbeFactory | None = None,
                  timing: AgentTiming | None = None, faults: Callable[[str], None] | None = None,
-                 app: AppSpec | None = None) -> None:
+                 app: AppSpec | None = None, rates: Callable[[str], Awaitable[Rates | None]] | None = None) -> None:
         self.cfg, self.events, self.ledger, self.clock = cfg, events, ledger, clock
         self.store, self.bucket = store, bucket
         self.timing = timing or AgentTiming()
@@ -270,6 +270,13 @@ class BoxAgent:
             ready_url=self._ready_url, recovery_policy=self.timing.recovery,
             ready_peer=self._ready_peer), self.timing.move, faults=faults)
         facts: BoxFacts | Callable[[str], Awaitable[BoxFacts]] = embedded_facts(cfg.label, key)
+        if self.apps is None and rates is not None:  # a fixed app's composition with rates of its own (the sim)
+            fixed, measured = embedded_facts(cfg.label, key), rates
+
+            async def fixed_facts(host: str) -> BoxFacts:
+                return replace(fixed, rates=await measured(cfg.region))
+
+            facts = fixed_facts
         if self.apps is not None:  # the readiness report observes this box (T1-T3, T7, T8, T11, T13; issue 18)
             self.observer = TargetObserver(
                 label=cfg.label, region=cfg.region, store=store, bucket=bucket, apps=self.apps, secrets_key=key,
