@@ -25,15 +25,22 @@ BENCHES := ledger projection replication archive move sim retention readiness
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(BIN)/python -m bench.$$b || rc=1; done; exit $$rc
 
-# Longer simulation runs, outside `make test` (which runs the 300-seed gate, every witness and the
-# determinism check through tests/test_sim.py).
+# Longer simulation runs, outside `make test` (which runs the gate through tests/test_sim.py: 300 seeds of the
+# world with moves, 300 of the world without, the determinism check, every witness and scenario). Both use every
+# core (JOBS) and are resumable: each finished run is journaled under .hostmove/sim-journal (per version of the
+# code), so the same command started again after an interruption picks up where it stopped.
+# `make sim-baseline SEEDS=30000`: seeds of the world with moves unmutated (and STAND_IN of the world without).
+# `make sim-sweep`: each rule off alone over SWEEP_SEEDS seeds of both worlds and its witnesses; writes sim/RESULTS.md.
 SEEDS ?= 3000
-MOVE_SEEDS ?= 20
+STAND_IN ?= 3000
+SWEEP_SEEDS ?= 3000
+MOVE_SEEDS ?= $(SWEEP_SEEDS)
+JOBS ?= $(shell nproc)
 sim-baseline: $(STAMP)
-	$(BIN)/hostmove sim gate --seeds $(SEEDS)
+	$(BIN)/hostmove sim baseline --seeds $(SEEDS) --stand-in $(STAND_IN) --jobs $(JOBS)
 
 sim-sweep: $(STAMP)
-	$(BIN)/hostmove sim sweep --seeds $(SEEDS) --move-seeds $(MOVE_SEEDS)
+	$(BIN)/hostmove sim sweep --seeds $(SWEEP_SEEDS) --move-seeds $(MOVE_SEEDS) --jobs $(JOBS)
 
 # The crash matrix at every named failpoint of a move (SIGKILL, restart, converge); `make test` runs a spread.
 crash-matrix: $(STAMP)

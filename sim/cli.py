@@ -1,11 +1,15 @@
 """``hostmove sim``: the deterministic simulation's command line (model digest §1 "Commands").
 
     hostmove sim --seed N [--trace] [--rules a,b]    replay one seed (mutated with --rules)
-    hostmove sim gate [--seeds 300] [--moves 20] [--jobs J]
-                                                      seeds unmutated, determinism, every witness; then the
-                                                      first --moves seeds of the world with moves, each twice
-    hostmove sim sweep --seeds N [--move-seeds M] [--rules a,b] [--jobs J] [--out PATH]
+    hostmove sim gate [--seeds 300] [--stand-in 300] [--repeat 10] [--jobs J]
+                                                      seeds of the world with moves and of the world without,
+                                                      unmutated; the first --repeat again (determinism); every
+                                                      witness three ways and every scenario
+    hostmove sim sweep --seeds N [--move-seeds M] [--rules a,b] [--jobs J] [--out PATH] [--journal DIR]
                                                       each rule off alone, classified; writes sim/RESULTS.md
+                                                      (resumable: every finished run is journaled)
+    hostmove sim baseline --seeds N [--stand-in M] [--jobs J] [--journal DIR]
+                                                      N seeds of the world with moves unmutated (resumable)
     hostmove sim witness [NAME] [--rules a,b] [--trace]
                                                       run witnesses (all three ways, or under --rules)
     hostmove sim moves [--seeds N] [--first S] [--rules a,b] [--trace]
@@ -26,7 +30,7 @@ from kernel import rules
 
 __all__ = ["main"]
 
-COMMANDS = ("gate", "sweep", "witness", "moves", "rules")
+COMMANDS = ("gate", "sweep", "baseline", "witness", "moves", "rules")
 MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "rollbacks_clean", "rollbacks_dirty", "reboots",
                  "disks_lost", "timer_deliveries", "timer_repeats", "idle_stops", "wake_requests", "terminations",
                  "generations_retired")
@@ -51,8 +55,9 @@ def _command_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hostmove sim")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("gate", help="seeds unmutated, the determinism check and every witness")
-    g.add_argument("--seeds", type=int, default=300)
-    g.add_argument("--moves", type=int, default=20, help="seeds of the world with moves, each run twice (0: none)")
+    g.add_argument("--seeds", type=int, default=300, help="seeds of the world with moves (sim/moves.py)")
+    g.add_argument("--stand-in", type=int, default=300, help="seeds of the world without moves (sim/world.py)")
+    g.add_argument("--repeat", type=int, default=10, help="the first seeds of each world run again (determinism)")
     g.add_argument("--jobs", type=int, default=None)
     s = sub.add_parser("sweep", help="switch each rule off alone and classify")
     s.add_argument("--seeds", type=int, required=True)
@@ -61,6 +66,15 @@ def _command_parser() -> argparse.ArgumentParser:
                    help="also each rule over the first N seeds of the world with moves (seconds a seed)")
     s.add_argument("--jobs", type=int, default=None)
     s.add_argument("--out", type=Path, default=None, help="where to write the results (default sim/RESULTS.md)")
+    s.add_argument("--journal", type=Path, default=None,
+                   help="where finished runs are kept for a resumed sweep (default .hostmove/sim-journal)")
+    s.add_argument("--no-journal", action="store_true", help="keep nothing: every run runs")
+    b = sub.add_parser("baseline", help="seeds of the world with moves unmutated, resumable")
+    b.add_argument("--seeds", type=int, required=True)
+    b.add_argument("--stand-in", type=int, default=0, help="also seeds of the world without moves")
+    b.add_argument("--jobs", type=int, default=None)
+    b.add_argument("--journal", type=Path, default=None)
+    b.add_argument("--no-journal", action="store_true")
     w = sub.add_parser("witness", help="run witnesses")
     w.add_argument("name", nargs="?", default=None)
     w.add_argument("--rules", type=_rules_arg, default=None, help="run under exactly these rules switched off")
@@ -91,16 +105,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "seed":
         return _cmd_seed(args)
     if args.command == "gate":
-        from sim.sweep import gate, moves_gate
+        from sim.sweep import gate
 
         try:
-            ok = gate(args.seeds, jobs=args.jobs).ok
-            return 0 if (moves_gate(args.moves, jobs=args.jobs).ok if args.moves else True) and ok else 1
+            return 0 if gate(args.seeds, stand_in=args.stand_in, repeat=args.repeat, jobs=args.jobs).ok else 1
         except ValueError as exc:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
     if args.command == "sweep":
         return _cmd_sweep(args)
+    if args.command == "baseline":
+        from sim.deep import DEFAULT_ROOT
+        from sim.sweep import baseline
+
+        if args.seeds < 1:
+            print("baseline: --seeds must be at least 1", file=sys.stderr)
+            return 2
+        journal = None if args.no_journal else (args.journal or DEFAULT_ROOT)
+        return 1 if baseline(args.seeds, stand_in=max(0, args.stand_in), jobs=args.jobs, journal=journal) else 0
     if args.command == "witness":
         return _cmd_witness(args)
     if args.command == "moves":
@@ -135,8 +157,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         print("sweep: --seeds must be at least 1", file=sys.stderr)
         return 2
+    from sim.deep import DEFAULT_ROOT
+
+    journal = None if args.no_journal else (args.journal or DEFAULT_ROOT)
     try:
-        verdicts = sweep(args.seeds, rule_names=args.rules, jobs=args.jobs, move_seeds=max(0, args.move_seeds))
+        verdicts = sweep(args.seeds, rule_names=args.rules, jobs=args.jobs, move_seeds=max(0, args.move_seeds),
+                         journal=journal)
     except ValueError as exc:
         print(f"sweep: {exc}", file=sys.stderr)
         return 2
@@ -170,17 +196,28 @@ def _cmd_moves(args: argparse.Namespace) -> int:
 
 def _cmd_witness(args: argparse.Namespace) -> int:
     from sim.sweep import load_expected
-    from sim.witness import FINDINGS, WITNESSES, check_witness, judge, run_witness
+    from sim.witness import FINDINGS, SCENARIOS, WITNESSES, check_witness, judge, run_witness
 
-    known = (*WITNESSES, *FINDINGS) if args.name is not None else WITNESSES  # open findings only by name
-    chosen = [w for w in known if args.name in (None, w.name)]
+    known = (*WITNESSES, *SCENARIOS, *FINDINGS) if args.name is not None else (*WITNESSES, *SCENARIOS)
+    chosen = [w for w in known if args.name in (None, w.name)]  # open findings only by name
     if not chosen:
-        print(f"no witness named {args.name}; known: {', '.join(w.name for w in (*WITNESSES, *FINDINGS))}",
+        print(f"no witness named {args.name}; known: {', '.join(w.name for w in (*WITNESSES, *SCENARIOS, *FINDINGS))}",
               file=sys.stderr)
         return 2
     expected = load_expected()
     bad = 0
     for w in chosen:
+        if not w.rules:  # a scenario: it holds unmutated (or under --rules, whatever they break)
+            result = run_witness(w, args.rules or (), trace=args.trace)
+            held = not (result.violations or result.error)
+            bad += 0 if held or args.rules else 1
+            detail = result.error or (result.violations[0].line() if result.violations else "")
+            print(f"{w.name} [{','.join(args.rules or ()) or 'unmutated'}]: {'held' if held else 'violated'}"
+                  + (f" {detail}" if detail else ""))
+            if args.trace:
+                for line in result.trace:
+                    print(line)
+            continue
         verdicts = ([judge(w, args.rules, run_witness(w, args.rules, trace=args.trace))]
                     if args.rules is not None else check_witness(w, trace=args.trace))
         for v in verdicts:

@@ -113,6 +113,12 @@ RESIDUE_BOUND_S = 3600.0
 """Residue in a left location is retired within the sweep's cadence, a scan and the horizon ``H`` (about 1,400 s in
 the production timing); an hour of the calm phase is the bound INV-10 allows it."""
 """Of a box's reboots, the share that lose its disk (issue 5 item 3): every local file of the box is gone."""
+_SRC = source_phases.PRODUCTION
+MOVE_BOUND_S = (_SRC.prepare_bound_s + 900.0 + _SRC.cut_window_s + _SRC.landing_budget_s + _SRC.release_budget_s
+                + 2 * (parking.PRODUCTION.signature_age_ms + 120_000) / 1000 + _SRC.staging_lease_ttl_s)
+"""A requested move ends within this (move-liveness, issue 17 item 5): its preparing bound (a move never ready aborts
+itself, §7.11), the operator's longest wait before a manual cut, the cut window, the landing budget, a rollback's
+release budget, both parks' horizons and the staging lease's TTL: about 2.9 h, inside the calm phase's 6 h."""
 LIVELOCK_PASSES = 5
 """Consecutive passes of one host that each use every step and ask to run again at once: a livelock (INV-3, the
 calm phase cannot converge). A pass that waits schedules its wake later; a pass that progresses ends its steps."""
@@ -344,8 +350,12 @@ class MoveConsole(ConsoleActor):
             record = self.mworld.records.get(m.host)
             live = record.move.id if record is not None and record.move is not None else None
             bound = self.mworld.move_of
-            if live is not None and live not in bound.values() and (
-                    key in self.asked or (m.at <= now and (m.nth == 0 or (m.host, m.nth - 1) in self.asked))):
+            before = bound.get((m.host, m.nth - 1))
+            if live is not None and live not in bound.values() and key not in bound and (
+                    key in self.asked or (m.at <= now and (m.nth == 0 or (
+                        before is not None and before in self.mworld.ended)))):
+                # A live move nobody is bound to is the one requested (its answer lost, or it landed in this very
+                # pass: the request of move n + 1 is not made before move n ended, so it is never move n's).
                 if key not in self.asked:  # the door took a request whose answer was lost: the status shows it
                     self.asked[key] = now
                     self.emit(f"operator: move {m.nth + 1} of {m.host} was requested after all ({live})")
@@ -358,7 +368,7 @@ class MoveConsole(ConsoleActor):
                     answer = await self.door.request_move(m.host, MoveRequest(to, m.cut), OPERATOR)  # type: ignore[arg-type]
                     self.emit(f"door: move {m.host} to {to} ({m.cut}, move {m.nth + 1}): {answer.status} "
                               f"{answer.body.get('reason', '')}")
-                    if answer.status in (200, 201, 409):
+                    if answer.status in (200, 201):  # a refusal (409: no box can take it now, ...) is asked again
                         self.asked[key] = now
                 if key not in self.asked:
                     continue
@@ -457,6 +467,10 @@ class MoveWorld(World):
         self.chores_seen: dict[str, set[tuple[str, str, str]]] = {}  # the park-generation chores each claim holds
         self.generations_retired = 0  # park-generation chores acknowledged (issue 16)
         self.move_of: dict[tuple[str, int], str] = {}  # (host, nth) -> the move id the status showed for it
+        self.closed_at: dict[str, float] = {}  # move id -> when its record closed it (last_move)
+        self.calm_at: float | None = 0.0 if self.witness else None  # a witness's world is healthy throughout
+        self.crashes_at: list[float] = []  # every actor death (an agent, a box, the console), scripted or drawn
+        self.late: set[tuple[str, int]] = set()  # the moves move-liveness has reported
         """The replicators of dead agents, kept referenced until the run ends: a garbage-collected SQLite connection
         closes, and the last one to close checkpoints the WAL into the database, at a moment the collector picks (it
         depends on what the process ran before). That made a seed's trace depend on the seeds run before it in the
@@ -484,6 +498,7 @@ class MoveWorld(World):
         return hook
 
     async def setup(self) -> None:
+        asyncio.ensure_future(self._watch_moves())
         for bucket in (DEPLOY, *(region_bucket(r) for r in MOVE_REGIONS)):
             await self.s3.create_bucket(bucket)
         clock = self.clock
@@ -691,6 +706,7 @@ class MoveWorld(World):
                 self.records[record.host] = record
                 if record.last_move is not None:
                     self.ended[record.last_move.id] = record.last_move.outcome
+                    self.closed_at.setdefault(record.last_move.id, self.loop.time())
                 rb = record.move.rollback if record.move is not None else None
                 if rb is not None and rb.target_phase == "released":  # the target's verdict (§7.8)
                     self.verdicts[rb.id] = "dirty" if rb.dirty else "clean"
@@ -729,6 +745,10 @@ class MoveWorld(World):
                 out.append(f"{name} is down")
             elif not slot.actor.idle or slot.actor.busy:
                 out.append(f"{name} is busy")
+        waiting = [m for m in self.moves if (m.host, m.nth) not in self.asked]
+        if waiting:  # the operator still has moves to request: the world is not at rest (the oracle would race them)
+            out.append(f"{len(waiting)} planned moves are not requested yet (first: move {waiting[0].nth + 1} of "
+                       f"{waiting[0].host})")
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None or claim.op.kind != "serving":
@@ -761,7 +781,63 @@ class MoveWorld(World):
                 out.append(f"gen {gen} of the {obj} of {host} is not on the stream")
         return out
 
+    # -- the liveness of a sequence of moves (issue 17 item 5) ---------------------------------------
+
+    async def calm(self) -> None:
+        await super().calm()
+        self.calm_at = self.loop.time()
+
+    def crash(self, name: str, why: str) -> None:
+        if self.slots[name].up:
+            self.crashes_at.append(self.loop.time())
+        super().crash(name, why)
+
+    async def _watch_moves(self) -> None:
+        while True:
+            await asyncio.sleep(60.0)
+            self._move_liveness()
+
+    def _move_liveness(self) -> None:
+        """move-liveness: every move the operator requested ends within :data:`MOVE_BOUND_S` of its request, or of
+        the calm phase's start when it was requested before; and a move requested on a healthy world (in the calm
+        phase, where no fault fires, or in a witness's world), with no actor crash between its request and its end
+        and neither an abort nor a failing target in its plan, ends ``done``. The defect it exists for: a second move
+        off a box the host had landed on stalled in preparing, and each host moved once."""
+        now = self.loop.time()
+        for key, asked_at in sorted(self.asked.items()):
+            if key in self.late:
+                continue
+            host, nth = key
+            mid = self.move_of.get(key)
+            plan = next((m for m in self.moves if (m.host, m.nth) == key), None)
+            outcome = self.ended.get(mid) if mid is not None else None
+            name = f"move {nth + 1} of {host}" + (f" ({mid})" if mid is not None else "")
+            if outcome is not None:
+                end = self.closed_at.get(mid, now) if mid is not None else now
+                healthy = self.calm_at is not None and asked_at >= self.calm_at
+                crashed = any(asked_at <= t <= end for t in self.crashes_at)
+                excused = key in self.aborted or (plan is not None and (plan.abort_at is not None
+                                                                        or bool(plan.fail_target)))
+                if outcome != "done" and healthy and not crashed and not excused:
+                    self.late.add(key)
+                    self.checker.flag("move-liveness", f"{name}, requested at {asked_at:.0f} s on a healthy world "
+                                                       f"(no fault, no crash, no abort), ended {outcome}")
+                continue
+            if self.calm_at is None:
+                continue  # the chaos phase: no bound yet
+            since = max(asked_at, self.calm_at)
+            if now - since > MOVE_BOUND_S:
+                record = self.records.get(host)
+                state = record.move.state if record is not None and record.move is not None else "not started"
+                self.late.add(key)
+                self.checker.flag("move-liveness", f"{name}, requested at {asked_at:.0f} s, has not ended "
+                                                   f"{now - since:.0f} s later (bound {MOVE_BOUND_S:.0f} s): it is "
+                                                   f"{state}")
+
     async def final_oracle(self) -> None:
+        self._move_liveness()
+        if self.checker.violations:
+            return
         await super().final_oracle()
         self._protocol()
         await self._inv10()

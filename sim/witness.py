@@ -47,11 +47,12 @@ class Witness:
     script: Script
     doc: str
     moves: bool = False  # the world with moves (sim/moves.py): the production agents, door and recovery
+    regions: tuple[str, ...] = ("ie", "uk")  # a box each
 
 
 def _world(w: Witness, timing: Timing) -> Callable[[asyncio.AbstractEventLoop], World]:
     def make(loop: asyncio.AbstractEventLoop) -> World:
-        boxes = {"ie-1": "ie", "uk-1": "uk"}
+        boxes = {f"{r}-1": r for r in w.regions}
         hosts = tuple(HostPlan(h, b, boxes[b], 0.0) for h, b in w.hosts)
         workload = Workload(hosts, (), concurrent_batches=False, wrong_box=False, marker_tail=False)
         kind = MoveWorld if w.moves else World
@@ -273,13 +274,17 @@ async def _closed(world: MoveWorld, host: str = H) -> None:
     await world.until(f"the move of {host} closed", closed, timeout=4 * 3600.0)
 
 
-async def _request_move(world: MoveWorld, to: str, cut: str = "auto", host: str = H) -> None:
+async def _request_move(world: MoveWorld, to: str, cut: str = "auto", host: str = H, nth: int = 0) -> None:
+    """The operator's ``nth`` move of ``host`` through the door; move-liveness judges it (sim/moves.py)."""
     console = world.console()
     assert isinstance(console, MoveConsole)
     answer = await console.door.request_move(host, MoveRequest(to, cut), Identity("op", "operator"))  # type: ignore[arg-type]
     if answer.status not in (200, 201):
         raise MilestoneMissed(f"the door refused the move: {answer.status} {answer.body}")
-    console.asked[(host, 0)] = world.loop.time()
+    console.asked[(host, nth)] = world.loop.time()
+    record = world.records.get(host)
+    if record is not None and record.move is not None:
+        world.move_of[(host, nth)] = record.move.id
 
 
 async def _serving_with_writes(world: World, writes: int) -> MoveWorld:
@@ -296,7 +301,7 @@ async def w_move(world: World) -> None:
     """A host serving on ie-1 takes writes, moves to uk (automatic cut) through the door, the source's preparing
     rounds and cut, the landing and both parks, and takes writes on uk-1. Every acknowledged write is in the
     database uk-1 serves (INV-2), no version is left under the staging lanes (INV-10), and the history audits
-    clean. Mutated (``close-record-first`` off), the record closes before the parks are acknowledged and the
+    clean. Mutated (``record-first-close`` off), the record closes before the parks are acknowledged and the
     source's finalizer passes the host again and again without time passing: INV-3 (a livelock)."""
     mw = await _serving_with_writes(world, 5)
     await _request_move(mw, "uk")
@@ -340,7 +345,7 @@ def _held_upload(mw: MoveWorld) -> Hold:
 async def w_late_completion(world: World) -> None:
     """wStraggler's held upload lands right after the source's park listed and archived its location, before its
     acknowledgement: the park verifies only on a listing later than ``evidence_at + H`` (§6.4), finds it, and parks
-    it as a further event. With ``park-verify-after-horizon`` off the park acknowledges at once and the late
+    it as a further event. With ``quiet-before-ack`` off the park acknowledges at once and the late
     completion lands after it; the at-rest sweep retires it (held). With ``straggler-sweep`` off too: INV-10."""
     mw = await _serving_with_writes(world, 3)
     hold = _held_upload(mw)
@@ -394,6 +399,32 @@ async def w_disk_lost(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+async def w_ack_before_admission(world: World) -> None:
+    """wAckBeforeAdmission (admit-before-start; claim 6.10, R10-1), on the production activator: a host is created and
+    its box wakes it. The admitting CAS comes first, so the app that acknowledges writes always runs in the session the
+    claim names. Mutated (rev 7.10's order: the app starts, then the admission), a process runs that no admitted
+    session names: INV-1."""
+    await _serving_with_writes(world, 2)
+
+
+async def w_two_wakes(world: World) -> None:
+    """Two wakes of one host at once on its box (the production activator, a stopped host): the host guard lets one
+    through; the other waits, finds it running under the guard and does nothing. Mutated (``hostguard`` off), both
+    read the claim and admit, the second over the first's running session: a process runs in a session the claim no
+    longer names (INV-1)."""
+    mw = _mw(world)
+    world.run_actors()
+    await _create(world)
+    await _serving_on(mw, "ie-1")
+    activator = mw.slots["ie-1"].actor.agent.activator
+    await activator.stop(H)
+    wakes = [asyncio.ensure_future(activator.wake(H)) for _ in range(2)]
+    await world.until("both wakes settled", lambda: all(w.done() for w in wakes))
+    for w in wakes:
+        mw.trace.emit("witness", f"a wake of {H} on ie-1: {w.exception() or w.result()}")
+    await _writes(mw, 2, "after")
+
+
 async def w_dirty_rollback(world: World) -> None:
     """The app writes on the target during its probe and then fails its readiness there (moveprobe's after-write
     switch, §14.4): the landing rolls back after the flip and the target's release is dirty (§7.8). It returns its
@@ -424,19 +455,19 @@ async def w_target_park(world: World) -> None:
 
 
 WITNESSES: tuple[Witness, ...] = (
-    Witness("wMove", ("close-record-first",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
+    Witness("wMove", ("record-first-close",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
     Witness("wDirtyRollback", ("dirty-return",), "INV-2", ((H, "ie-1"),), w_dirty_rollback,
             w_dirty_rollback.__doc__ or "", moves=True),
     Witness("wTargetPark", ("straggler-sweep", "target-park"), "INV-10", ((H, "ie-1"),), w_target_park,
             w_target_park.__doc__ or "", moves=True),
-    Witness("wParkExact", ("park-exact-versions",), "actor-error", ((H, "ie-1"),), w_move,
+    Witness("wParkExact", ("park-by-version",), "actor-error", ((H, "ie-1"),), w_move,
             "wMove's script. Mutated (bare-key deletes), the source's park finds its scope refilled by the delete "
             "markers it leaves and stops with ParkError (the park's own check, reported as actor-error).", moves=True),
     Witness("wCutDeadline", ("cut-deadline", "commit-deadline"), "INV-9", ((H, "ie-1"),), w_cut_deadline,
             w_cut_deadline.__doc__ or "", moves=True),
     Witness("wStraggler", ("straggler-sweep",), "INV-10", ((H, "ie-1"),), w_straggler, w_straggler.__doc__ or "",
             moves=True),
-    Witness("wLateCompletion", ("park-verify-after-horizon", "straggler-sweep"), "INV-10", ((H, "ie-1"),),
+    Witness("wLateCompletion", ("quiet-before-ack", "straggler-sweep"), "INV-10", ((H, "ie-1"),),
             w_late_completion, w_late_completion.__doc__ or "", moves=True),
     Witness("wDiskLost", ("files-manifest-restore",), "INV-4", ((H, "ie-1"),), w_disk_lost,
             w_disk_lost.__doc__ or "", moves=True),
@@ -447,9 +478,13 @@ WITNESSES: tuple[Witness, ...] = (
             "the acknowledged writes of the final sync: INV-2.", moves=True),
     Witness("wAdmitBeforeStart", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_admit_before_start,
             w_admit_before_start.__doc__ or ""),
+    Witness("wAckBeforeAdmission", ("admit-before-start",), "INV-1", ((H, "ie-1"),), w_ack_before_admission,
+            w_ack_before_admission.__doc__ or "", moves=True),
+    Witness("wTwoWakes", ("hostguard",), "INV-1", ((H, "ie-1"),), w_two_wakes, w_two_wakes.__doc__ or "",
+            moves=True),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,
             w_exec_admission.__doc__ or ""),
-    Witness("wHostGuard", ("admit-observed", "hostguard"), "INV-1", ((H, "ie-1"),), w_host_guard,
+    Witness("wHostGuard", ("admit-bind-op", "hostguard"), "INV-1", ((H, "ie-1"),), w_host_guard,
             w_host_guard.__doc__ or ""),
     Witness("wAdmissionKinds", ("admission-kinds",), "INV-13", ((H, "ie-1"),), w_admission_kinds,
             w_admission_kinds.__doc__ or ""),
@@ -487,11 +522,33 @@ async def w_move_crashes(world: World) -> None:
 MOVE_CRASHES = Witness("wMoveCrashes", (), "INV-3", ((H, "ie-1"),), w_move_crashes, w_move_crashes.__doc__ or "",
                        moves=True)
 
+
+async def w_repeat_moves(world: World) -> None:
+    """wRepeatMoves (issue 17 item 5): one host moves ie -> uk -> us -> ie with no fault, each move requested once the
+    one before it closed, and takes writes between them. Every move must end ``done`` (move-liveness) and the host
+    serve on its target with every acknowledged write (INV-2). The defect it pins: a second move off a box the host
+    had landed on stalled in preparing (the agent looked for the landed instance among its woken ones only, so S1
+    never saw it ready) and aborted itself after the preparing bound; a world where each host moved once never
+    found it. Not a rule's witness: the gate runs it unmutated, and tests/test_sim.py plants the defect again."""
+    mw = await _serving_with_writes(world, 3)
+    for nth, (to, box) in enumerate((("uk", "uk-1"), ("us", "us-1"), ("ie", "ie-1"))):
+        await _request_move(mw, to, nth=nth)
+        await _closed(mw)
+        await _serving_on(mw, box)
+        await _writes(mw, 2, f"after{nth}-")
+
+
+REPEAT_MOVES = Witness("wRepeatMoves", (), "move-liveness", ((H, "ie-1"),), w_repeat_moves,
+                       w_repeat_moves.__doc__ or "", moves=True, regions=("ie", "uk", "us"))
+SCENARIOS: tuple[Witness, ...] = (MOVE_CRASHES, REPEAT_MOVES)
+"""Scripted worlds of no rule: each must hold unmutated (the gate runs them; ``failure`` names what a regression of
+the behaviour they pin would violate)."""
+
 FINDINGS: tuple[Witness, ...] = ()
 """Open findings: scripts that do not hold unmutated today, kept out of the gate until the code they exercise is
 built (``hostmove sim witness NAME`` replays them). None now: wCutDeadline (the host never served again after a
 cut's deadline) became a witness once §7.4 ``reverting`` was built."""
-WITNESS_BY_NAME = {w.name: w for w in (*WITNESSES, *FINDINGS)}
+WITNESS_BY_NAME = {w.name: w for w in (*WITNESSES, *SCENARIOS, *FINDINGS)}
 
 
 def check_witness(w: Witness, *, trace: bool = False) -> list[WitnessVerdict]:

@@ -11,9 +11,10 @@ data bucket per region, behind the M17 policy. Every actor runs the real code pa
   periodically, and wakes hosts: a fresh claim read (K6), the cold admission through the ledger
   (:func:`services.box.instance.admission.decide_admit_writer`), the start check
   (:func:`services.box.artifacts.markers.start_check`), the start, and the conditional generation marker
-  (:func:`services.box.artifacts.markers.publish_generation_marker`). The activator itself does not exist yet:
-  :class:`BoxAgent` stands in for it, following the start order of digest D§6, and guards its own
-  steps with named rules (``exec-admission``, ``hostguard``, ``admit-before-start``);
+  (:func:`services.box.artifacts.markers.publish_generation_marker`). :class:`BoxAgent` stands in for the
+  production activator (which runs in the world with moves, :mod:`sim.moves`), following the start order of
+  digest D§6; its steps consult the production activator's named rules (``exec-admission``, ``hostguard``,
+  ``admit-before-start``, registered at their production sites), so the sweep switches them off in both worlds;
 - the **edge** delivers the workload's wake requests to boxes; the **chaos** actor crashes boxes and
   the console (memory lost, durable state kept) and restarts them.
 
@@ -53,6 +54,8 @@ from services.box.artifacts.markers import (
     read_generation_marker,
     start_check,
 )
+from services.box.instance import activator as _activator  # noqa: F401 - registers exec-admission, admit-before-start
+from services.box.instance import guard as _guard  # noqa: F401 - registers hostguard
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
 from services.box.roster import MOVES_PROTOCOL, RosterBox, RosterRefusal, decide_register, update_roster
 from services.hosts.create import create_host

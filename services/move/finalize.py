@@ -55,8 +55,8 @@ from services.source.staging import snapshot_prefix
 log = logging.getLogger("hostmove.finalize")
 
 rules.register(
-    "close-record-first",
-    section="§7.9 step 5; §7.5; ruling M4; §19.2 K8",
+    "record-first-close",
+    section="§7.5, K8, ruling M4 (rev 7.23); §7.9 step 5",
     meaning="the close clears the record's move into last_move only when both parks are acknowledged and the "
             "target has opened; the claim is released after the record, never before",
     site="services/move/finalize.py decide_close",
@@ -142,7 +142,7 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
     ending = _ENDINGS.get(move.state)
     if ending is None:
         return Refusal(f"the move is {move.state}, not committed or aborted; it does not close here")
-    if rules.on("close-record-first"):
+    if rules.on("record-first-close"):
         left = sorted(o.kind for o in claim.obligations if o.op == move_id)
         if left:
             return NoChange(f"waiting for {', '.join(left)} to be acknowledged")

@@ -12,11 +12,12 @@ from events.record import Move, Record
 from kernel import rules
 
 rules.register(
-    "k5-revalidate",
-    section="§19.2 K5; §7.2",
+    "revalidate-before-effect",
+    section="§19.2 K5; claim C3; §7.2",
     meaning="a box step acts only while the claim's op id, kind and phase (and exec) are what it expects",
     site="services/move/guards.py step_allowed",
 )
+rules.alias("k5-revalidate", "revalidate-before-effect")  # tests/test_target.py reads the project's old name
 
 
 def live_move(record: Record | None, move_id: str, incarnation: str) -> Move | None:
@@ -36,7 +37,7 @@ def step_allowed(
     exec_box: str | None = None,
 ) -> str | None:
     """None when the box may take its step; otherwise why not, in plain words."""
-    if not rules.on("k5-revalidate"):
+    if not rules.on("revalidate-before-effect"):
         return None
     if claim is None:
         return "the host has no claim"

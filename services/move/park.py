@@ -44,20 +44,20 @@ from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
 log = logging.getLogger("hostmove.park")
 
 rules.register(
-    "park-exact-versions",
-    section="§6.4 Exact versions; joint N1",
+    "park-by-version",
+    section="§6.4 Exact versions, CC2, model 2; joint N1",
     meaning="a park deletes every version (markers included) by VersionId, never by bare key",
     site="services/move/park.py _delete_set",
 )
 rules.register(
-    "park-verify-after-horizon",
-    section="§5.3; §6.4 Verify after the horizon; claim §6.2a",
+    "quiet-before-ack",
+    section="CC1, model 1; §5.3; §6.4 Verify after the horizon; claim §6.2a",
     meaning="a park acknowledges only on an empty listing taken later than evidence_at + H",
     site="services/move/park.py park_scope",
 )
 rules.register(
-    "park-scope-membership",
-    section="§6.4 A park executes strictly within its scope; INV-23",
+    "scope-membership",
+    section="claim 6.24, R16-2; §6.4 A park executes strictly within its scope; INV-23",
     meaning="every key a park archives or deletes, listed or replayed from a manifest, is a member of its scope",
     site="services/move/park.py _check_members",
 )
@@ -215,7 +215,7 @@ def plan_event(
 def _check_members(manifest: ParkManifest, prefix: str, host: str, op: str, event: str,
                    generation: str | None = None) -> None:
     """INV-23: a persisted manifest is acted on only if it is this event's and every reference is in scope."""
-    if not rules.on("park-scope-membership"):
+    if not rules.on("scope-membership"):
         return
     if (manifest.host, manifest.op, manifest.event, manifest.location, manifest.generation) != (
             host, op, event, prefix, generation):
@@ -306,7 +306,7 @@ class Parker:
             plan = plan_event(entries, host=host, op=op, event=event, prefix=prefix, scope=scope, listed_at=listed_at,
                               generation=generation)
             if not plan.deletion:
-                if not rules.on("park-verify-after-horizon") or listed_at > deadline:
+                if not rules.on("quiet-before-ack") or listed_at > deadline:
                     log.info("park %s of %s acknowledged after %d event(s)", kind, host, len(events),
                              extra=ctx(host=host, op_id=op, phase="park", park=kind, events=len(events),
                                        location=scope.location))
@@ -340,7 +340,7 @@ class Parker:
         await self._delete_set(plan)
 
     async def _delete_set(self, manifest: ParkManifest) -> None:
-        if not rules.on("park-exact-versions"):  # the mutation: bare-key deletes, one per key (markers pile up)
+        if not rules.on("park-by-version"):  # the mutation: bare-key deletes, one per key (markers pile up)
             for key in sorted({d.key for d in manifest.deletion}):
                 await self.store.delete(self.bucket, key)
             return

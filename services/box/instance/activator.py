@@ -113,6 +113,18 @@ from services.objstore.port import Got, Lost, ObjectStore, StoreError
 log = logging.getLogger("hostmove.activator")
 
 rules.register(
+    "exec-admission",
+    section="§19.2 K1, K6",
+    meaning="a box wakes a host only from a fresh claim read whose op.exec names it; otherwise it does not start it",
+    site="services/box/instance/activator.py Activator._refusal, the op.exec check",
+)
+rules.register(
+    "admit-before-start",
+    section="digest D§6 start order; claim 6.10, R10-1 (rev 7.11: the admitting CAS comes first)",
+    meaning="the admission CAS commits before the instance starts (its restore, its app, its readiness)",
+    site="services/box/instance/activator.py Activator.wake",
+)
+rules.register(
     "clean-close-certificate",
     section="§5.1 step 9 (certificate), D§6; deviation from ruling P7 stated in the module docstring",
     meaning="a predecessor session counts as certified only with a certificate whose max_txid is the remote max",
@@ -355,7 +367,7 @@ class Activator:
                 return f"{host} is relocating ({claim.op.phase}): no box holds it yet"
         elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
-        if claim.op.exec != self.ctx.label:
+        if claim.op.exec != self.ctx.label and rules.on("exec-admission"):
             return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
         if claim.op.kind == "serving":  # K3, K4: execution never goes from one box to another directly
             holder = claim.holder
@@ -527,6 +539,8 @@ class Activator:
         if host in self.running:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
+            if host in self.running:  # again under the guard: a wake that waited for it finds the one before it ran
+                return StartRefused(host, f"{host} is already running on this box")
             claim = g.claim
             cut_phase = None
             rollback = None
@@ -561,6 +575,9 @@ class Activator:
                 coverage=coverage, predecessor_holds_nothing=await self._predecessor_empty(claim),
                 local_txid=flushed or 0,
             )
+            early: Started | StartFailed | None = None
+            if not rules.on("admit-before-start"):  # the mutation (rev 7.10's order): the app starts, then admits
+                early = await self._attempts(g, claim, baseline, publish_files=not prepared, policy=policy)
             admitted = await self.ctx.ledger.transition(
                 "claim", host, "admit-writer", lambda cur: decide_admit_writer(cur, request),
                 causation=f"wake:{self.ctx.label}",
@@ -577,6 +594,8 @@ class Activator:
                 refused = await self._publish_prepared(admitted.state, prepared)
                 if refused is not None:
                     return StartFailed(host, refused, 0, False)
+            if early is not None:
+                return early
             return await self._attempts(g, admitted.state, baseline, publish_files=not prepared, policy=policy)
 
     async def _publish_prepared(self, claim: Claim, prepared: str) -> str | None:

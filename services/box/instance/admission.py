@@ -90,7 +90,7 @@ def decide_admit_writer(current: Claim | None, req: AdmitRequest) -> Claim | Ref
     observed = (req.observed_op_id, req.observed_phase, req.observed_kind, req.observed_session,
                 req.observed_generation)
     actual = (op.id, op.phase, op.kind, holder.session, holder.generation)
-    if rules.on("admit-observed") and observed != actual:
+    if rules.on("admit-bind-op") and observed != actual:
         return Refusal("the claim changed since it was read; read it again before starting")
     if rules.on("exec-writer") and op.exec != req.box:
         return Refusal(f"box {req.box} does not hold execution of this host (it is {op.exec})")

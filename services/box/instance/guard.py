@@ -23,9 +23,17 @@ from urllib.parse import quote
 
 from events.base import validate_ident
 from events.claim import Claim
+from kernel import rules
 from kernel.ports import Clock, WallClock
 
 LOCK_DIR = "locks"
+
+rules.register(
+    "hostguard",
+    section="§6.4 host guard; claim §6.4 (C7)",
+    meaning="one step per host at a time on a box: the exclusive host guard, the claim read under it",
+    site="services/box/instance/guard.py host_guard",
+)
 DEFAULT_TIMEOUT_S = 30.0
 
 ReadClaim = Callable[[], Awaitable[Claim | None]]
@@ -100,7 +108,7 @@ async def host_guard(
     guarded: Guarded | None = None
     try:
         deadline = clk.monotonic() + timeout_s
-        while True:
+        while rules.on("hostguard"):  # the mutation: no exclusion, the claim read as if under the lock
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
