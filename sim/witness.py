@@ -471,6 +471,15 @@ WITNESSES: tuple[Witness, ...] = (
             w_late_completion, w_late_completion.__doc__ or "", moves=True),
     Witness("wDiskLost", ("files-manifest-restore",), "INV-4", ((H, "ie-1"),), w_disk_lost,
             w_disk_lost.__doc__ or "", moves=True),
+    # issue 16: the same lost disk declares the session whose tail was never uploaded (writes-lost); the same move
+    # covers the source's generation in the commit's CAS, without which its record stays uncovered at rest
+    Witness("wWritesLost", ("writes-lost",), "INV-2", ((H, "ie-1"),), w_disk_lost, "wDiskLost's run: mutated "
+            "(writes-lost off), the admission after the lost disk declares nothing and the writes after the last "
+            "upload are missing from the cold restore with no session declared lost (INV-2).", moves=True),
+    Witness("wCoverAtPark", ("cover-at-park",), "INV-3", ((H, "ie-1"),), w_move, "wMove's run: mutated "
+            "(cover-at-park off), the commit's park of the source region covers no record, so the landing's "
+            "record (its predecessor in the other region) stays uncovered at rest and the calm phase never settles "
+            "(INV-3).", moves=True),
     Witness("wFinalSyncFails", ("final-checkpoint-after-restart",), "INV-2", ((H, "ie-1"),), w_straggler,
             "wStraggler's script: the held upload is the cut's final sync, which fails; the replicator's close lets "
             "SQLite checkpoint the unshipped frames into the database file. Mutated (no flush of the local database "
