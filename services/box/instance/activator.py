@@ -367,7 +367,7 @@ class Activator:
                 return f"{host} is relocating ({claim.op.phase}): no box holds it yet"
         elif claim.op.kind != "serving":
             return f"{host} is {claim.op.kind}; only a serving host is woken here"
-        if claim.op.exec != self.ctx.label and rules.on("exec-admission"):
+        if rules.on("exec-admission") and claim.op.exec != self.ctx.label:
             return f"{host} is served by {claim.op.exec}, not by this box ({self.ctx.label})"
         if claim.op.kind == "serving":  # K3, K4: execution never goes from one box to another directly
             holder = claim.holder
