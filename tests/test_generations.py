@@ -31,6 +31,7 @@ from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.config import probe_env
+from services.box.artifacts.filesmanifest import manifest_key
 from services.box.instance.activator import Activator, AppSpec, BaselineRefused, BoxContext, Started
 from services.box.instance.coverage import MAX_ADMISSIONS, PARK_GENERATION, chore_name
 from services.box.instance.proctree import CgroupTree
@@ -506,3 +507,21 @@ async def test_a_publication_an_outage_stopped_is_made_again(world: World, uniqu
     assert again.holder is not None and again.holder.admissions[-1].covered
     assert [o.kind for o in again.obligations] == [PARK_GENERATION]
     assert not await act.republish(again), "nothing is owed any more"
+
+
+async def test_a_dead_generation_holding_the_only_files_manifest_waits(world: World,
+                                                                       unique: Callable[[str], str]) -> None:
+    """A start whose files manifest was not published (a file the archive refuses) leaves the dead generation's
+    manifest the files' only durable copy: its chore waits, touching nothing, until the current generation has one."""
+    ctx = world.box("ie-m")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    assert isinstance(await act.wake(host), Started)
+    claim = await world.claim(host)
+    assert claim.holder is not None and [o.kind for o in claim.obligations] == [PARK_GENERATION]
+    current = manifest_key(claim.holder.location, claim.holder.generation)
+    await world.store.delete(ctx.data_bucket, current)  # as if this start's manifest had been refused
+    report = await world.chores(ctx).run(host)
+    assert report.retired == () and "newest files manifest" in report.did[0], report

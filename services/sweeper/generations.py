@@ -11,7 +11,9 @@ an immutable manifest, then deleted by ``versionId``; it acknowledges only on an
 ``evidence_at + H`` (a late upload found then is one more event), every reference checked against the scope.
 
 Before the park the claim is read again (K5) and the chore refused while its generation is the host's current one
-or the baseline of an admission not yet covered (rule ``baseline-live``): the chore waits, nothing is touched. The
+or the baseline of an admission not yet covered (rule ``baseline-live``), or while it holds the host's newest files
+manifest and the current generation here has none (a start whose manifest the archive refused): the chore waits,
+nothing is touched. The
 acknowledgement is one claim CAS that removes exactly that obligation and raises the region's ``quiet_after``; its
 event, and a ``park-acknowledged`` fact, say what was retired.
 """
@@ -25,6 +27,8 @@ from bus.facts import Fact, publish_fact
 from bus.log import EventLog, LogError
 from events.claim import Claim, Obligation
 from kernel.logctx import ctx
+from services.box.artifacts.filesmanifest import read_manifest
+from services.box.artifacts.markers import normalize
 from services.box.instance.coverage import (
     chore_generation,
     decide_generation_parked,
@@ -87,6 +91,23 @@ class GenerationParks:
                 retired.append(chore_generation(chore))
         return ChoresReport(tuple(did), min(wakes) if wakes else None, tuple(retired))
 
+    async def _files_kept(self, claim: Claim, chore: Obligation, gen: str) -> str | None:
+        """Why the dead generation's files namespace is still the files' only durable copy, or None: a start whose
+        files manifest could not be published (a file the archive refuses, M-C14) keeps the newest earlier manifest
+        as that copy (§8.3, L17), so the generation holding it is not retired while the current one, here, has
+        none."""
+        holder = claim.holder
+        if holder is None or not gen or not holder.admissions or holder.admissions[-1].region != chore.region:
+            return None
+        store, bucket = self.parker.store, self.parker.bucket
+        if await read_manifest(store, bucket, holder.location, gen) is None:
+            return None
+        if normalize(holder.generation) and await read_manifest(store, bucket, holder.location,
+                                                                holder.generation) is not None:
+            return None
+        return (f"generation {gen} holds the host's newest files manifest; the current generation "
+                f"{holder.generation or 'origin'} has none yet")
+
     async def _one(self, host: str, chore: Obligation) -> tuple[str, int | None, bool]:
         gen = chore_generation(chore)
         name = gen or "origin"
@@ -98,7 +119,7 @@ class GenerationParks:
         claim = (await self.ledger.read_claim(host)).state  # K5: the claim right before anything is touched
         if claim is None or chore not in claim.obligations:
             return f"park-generation {name}: already acknowledged", None, False
-        why = retire_refusal(claim, chore.region, gen)
+        why = retire_refusal(claim, chore.region, gen) or await self._files_kept(claim, chore, gen)
         if why is not None:
             log.info("park-generation of %s %s waits: %s", host, name, why,
                      extra=ctx(host=host, box=self.box, phase="park-generation", generation=gen, reason=why))
