@@ -29,17 +29,20 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from bus.log import LogError, LogUnavailable
 from hostmove.health import Health, health_address
 from hostmove.logs import add_secret, configure_service
 from hostmove.runtime import Runtime, Settings, nats_check, open_runtime, s3_check
 from kernel.logctx import ctx
-from services.objstore.port import StoreError
+from services.objstore.port import StoreError, StoreUnavailable
 
 log = logging.getLogger("hostmove.serve")
 
 RELAY_INTERVAL_S = 5.0
+T = TypeVar("T")
 OUTAGE_BACKOFF_MIN_S = 0.5
 """A pass stopped by an outage is tried again after this, doubling up to the service's interval."""
 PROJECTION_MAX_LAG = 1000
@@ -96,6 +99,25 @@ class _Pace:
 
 def _dependency(exc: BaseException) -> str:
     return "nats" if isinstance(exc, LogError) else "s3"
+
+
+async def _answered(what: str, read: Callable[[], Awaitable[T]], stop: asyncio.Event, *, service: str) -> T:
+    """A start-up read the service cannot go on without, retried through an outage of the store or the bus on a
+    capped backoff (named once), never a reason to exit: a service never dies of a dependency's outage."""
+    failures = 0
+    while True:
+        try:
+            return await read()
+        except (StoreUnavailable, LogUnavailable) as exc:
+            failures += 1
+            if failures == 1:
+                log.warning("%s: %s is unreachable while reading %s (%s); trying again on a capped backoff",
+                            service, _dependency(exc), what, exc,
+                            extra={"phase": service, "dependency": _dependency(exc), "reason": str(exc)})
+            if stop.is_set():
+                raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(5.0, OUTAGE_BACKOFF_MIN_S * 2 ** min(failures - 1, 10)))
 
 
 async def _relay(rt: Runtime, stop: asyncio.Event) -> None:
@@ -211,7 +233,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         return 2
     from services.box.fence import read_fence
 
-    fenced = await read_fence(rt.store, rt.settings.bucket, label)
+    fenced = await _answered("the box's fence record", lambda: read_fence(rt.store, rt.settings.bucket, label), stop,
+                             service="box")
     if fenced is not None:
         log.error("hostmove serve box: box %s was fenced at %s (%s); a fenced box never acts again: enroll a "
                   "replacement under a new label", label, utc_text(fenced[0].fenced_at), fenced[0].evidence,
@@ -220,7 +243,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from services.box.artifacts.sealing import SealError
     from services.box.deployment import below_floor, read_floor
 
-    below = below_floor(await read_floor(rt.store, rt.settings.bucket))  # §11, rule floor-boot-recovery
+    floor = await _answered("the protocol floor", lambda: read_floor(rt.store, rt.settings.bucket), stop, service="box")
+    below = below_floor(floor)  # §11, rule floor-boot-recovery
     if below is not None:
         log.error("hostmove serve box: box %s refuses at boot to take part in moves: %s; install a release at or "
                   "above the floor (control/moves-protocol.json)", label, below, extra=ctx(box=label, reason=below))
@@ -231,8 +255,9 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         log.error("hostmove serve box: box %s holds no usable secrets key (%s); install the deployment's key with "
                   "hostmove box init --secrets-key", label, exc, extra=ctx(box=label, reason=exc))
         return 2
-    tree = CgroupTree.discover(label, deployment=await ensure_deployment(rt.store, rt.settings.bucket, rng=rt.rng,
-                               clock=rt.clock), clock=rt.clock, journal=cfg.box_dir / "spawns")
+    deployment = await _answered("the deployment's identity", lambda: ensure_deployment(
+        rt.store, rt.settings.bucket, rng=rt.rng, clock=rt.clock), stop, service="box")
+    tree = CgroupTree.discover(label, deployment=deployment, clock=rt.clock, journal=cfg.box_dir / "spawns")
     ok, why = tree.strict_available()
     if not ok:
         log.error("hostmove serve box: box %s cannot spawn strictly (%s); it refuses to take part in moves", label,
@@ -247,7 +272,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
     if rt.settings.may_create_buckets:
-        await rt.store.create_bucket(cfg.data_bucket, versioned=True)
+        await _answered("the box's data bucket", lambda: rt.store.create_bucket(cfg.data_bucket, versioned=True),
+                        stop, service="box")
     faults = Failpoints.from_env()
     ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults)
     with box_session(tree):  # every start on this box renders its host's app release (issue 18)
