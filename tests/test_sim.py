@@ -41,8 +41,17 @@ from sim.faults import FaultPlan, PublishFate, QuietPlan, RequestFate, Timing
 from sim.invariants import Checker, Proc
 from sim.loop import SimDeadlock, SimulationRefused, VirtualClock, run
 from sim.run import run_seed
-from sim.sweep import (Expected, RuleVerdict, classify, gate, load_expected, not_applicable, spec_rules, sweep,
-                       write_results)
+from sim.sweep import (
+    Expected,
+    RuleVerdict,
+    classify,
+    gate,
+    load_expected,
+    not_applicable,
+    spec_rules,
+    sweep,
+    write_results,
+)
 from sim.trace import Trace
 from sim.twins.jetstream import Consumers, SimEventLog, SimJetStream, subject_matches
 from sim.twins.nats_consumers import NatsConsumers
@@ -904,8 +913,8 @@ def test_a_move_runs_the_real_runners_and_every_acknowledged_write_is_served() -
     result = run_witness(WITNESS_BY_NAME["wMove"], trace=True)
     assert not result.violations and result.error is None, result.report()
     text = _move_trace(result)
-    for what in (" requested from ie to uk", "preparing round", "cutting: ", "landing: ", "(probe)", "park park-staging",
-                 "move-done", "write before4 to h1.example on ie-1: acknowledged",
+    for what in (" requested from ie to uk", "preparing round", "cutting: ", "landing: ", "(probe)",
+                 "park park-staging", "move-done", "write before4 to h1.example on ie-1: acknowledged",
                  "write after2 to h1.example on uk-1: acknowledged", "list_versions hostmove-data-uk/moves/"):
         assert what in text, what
     assert result.counters["violations"] == 0
