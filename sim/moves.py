@@ -79,6 +79,7 @@ from sim.invariants import Proc
 from sim.run import Result
 from sim.twins.box import Ack, SimInstance, SimNet, SimTree
 from sim.twins.jetstream import SimEventLog
+from sim.twins.rates import PlanRates, slow_region
 from sim.twins.s3 import NOMINAL, Landed, M17Policy, Principal
 from sim.workload import Workload
 from sim.world import DEPLOY, EXPECTED, ActorBase, ConsoleActor, PlanRandom, Slot, World, retry_expected
@@ -204,7 +205,8 @@ class MoveBox(ActorBase):
         self.agent = ProductionAgent(cfg, store=self.store, bucket=DEPLOY, events=self.events, ledger=self.ledger,
                                      clock=self.clock, rng=PlanRandom(world.plan, f"rng.{label}"), tree=self.tree,
                                      probe_factory=self.probe_factory, timing=AGENT_TIMING,
-                                     faults=world.failpoints(label), app=SIM_APP)
+                                     faults=world.failpoints(label), app=SIM_APP,
+                                     rates=PlanRates.of(world.plan, MOVE_REGIONS).rates)
         self.agent.activator.policy = StartPolicy(sync_interval_s=AGENT_TIMING.sync_interval_s)
         self.durable = f"agent-{label}"
         self.due: dict[str, float] = {}
@@ -358,6 +360,8 @@ class MoveConsole(ConsoleActor):
                 # pass: the request of move n + 1 is not made before move n ended, so it is never move n's).
                 if key not in self.asked:  # the door took a request whose answer was lost: the status shows it
                     self.asked[key] = now
+                    self.mworld.asked_to.setdefault(key, record.move.to if record is not None and record.move
+                                                    else "")
                     self.emit(f"operator: move {m.nth + 1} of {m.host} was requested after all ({live})")
                 bound[key] = live
             try:
@@ -370,6 +374,7 @@ class MoveConsole(ConsoleActor):
                               f"{answer.body.get('reason', '')}")
                     if answer.status in (200, 201):  # a refusal (409: no box can take it now, ...) is asked again
                         self.asked[key] = now
+                        self.mworld.asked_to[key] = to
                 if key not in self.asked:
                     continue
                 asked_at = self.asked[key]
@@ -467,6 +472,10 @@ class MoveWorld(World):
         self.chores_seen: dict[str, set[tuple[str, str, str]]] = {}  # the park-generation chores each claim holds
         self.generations_retired = 0  # park-generation chores acknowledged (issue 16)
         self.move_of: dict[tuple[str, int], str] = {}  # (host, nth) -> the move id the status showed for it
+        self.asked_to: dict[tuple[str, int], str] = {}  # (host, nth) -> the region the operator asked it to move to
+        self.slow_region = slow_region(self.plan.seed, MOVE_REGIONS)
+        """The region whose cross-region path the seed makes slow (:mod:`sim.twins.rates`): T11 refuses every move
+        into it, so such a move aborts itself at its prepare bound, by design (move-liveness excuses it)."""
         self.closed_at: dict[str, float] = {}  # move id -> when its record closed it (last_move)
         self.calm_at: float | None = 0.0 if self.witness else None  # a witness's world is healthy throughout
         self.crashes_at: list[float] = []  # every actor death (an agent, a box, the console), scripted or drawn
@@ -817,7 +826,9 @@ class MoveWorld(World):
                 healthy = self.calm_at is not None and asked_at >= self.calm_at
                 crashed = any(asked_at <= t <= end for t in self.crashes_at)
                 excused = key in self.aborted or (plan is not None and (plan.abort_at is not None
-                                                                        or bool(plan.fail_target)))
+                                                                        or bool(plan.fail_target))) or (
+                    outcome == "aborted" and self.slow_region is not None
+                    and self.asked_to.get(key) == self.slow_region)  # T11 refused it: the seed's slow path
                 if outcome != "done" and healthy and not crashed and not excused:
                     self.late.add(key)
                     self.checker.flag("move-liveness", f"{name}, requested at {asked_at:.0f} s on a healthy world "

@@ -26,3 +26,18 @@ def test_one_seed_in_twenty_has_a_slow_region_and_t11_refuses_moves_into_it() ->
     assert all(r == EXAMPLE for r in others)
     assert not t11(1, into_slow).eligible and "more than the 120 s window" in t11(1, into_slow).reason()
     assert t11(1, EXAMPLE).eligible
+
+
+def test_a_seed_with_a_slow_region_is_refused_by_t11_and_stays_clean() -> None:
+    """Move seed 2 makes uk's cross-region path slow: every move into uk is refused by the target's T11 and aborts
+    itself at its prepare bound (never cutting); move-liveness excuses it, and no invariant fails."""
+    from sim.moves import run_move_seed
+
+    assert slow_region("moves:2", REGIONS) == "uk"
+    result = run_move_seed(2, trace=True)
+    assert not result.violations and result.error is None, result.report()
+    refused = [line for line in result.trace
+               if "T11 the cut would take" in line and "more than the 120 s window" in line]
+    assert any(" uk-1#" in line for line in refused), "the uk target refuses at T11"
+    assert any("uk cannot take this move yet" in line for line in refused), "the source shows why (M-C4)"
+    assert result.counters["moves_aborted"] >= 1
