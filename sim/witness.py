@@ -454,6 +454,28 @@ async def w_target_park(world: World) -> None:
     await asyncio.sleep(2 * 3600.0)
 
 
+async def w_public_during_probe(world: World) -> None:
+    """commit-before-open (INV-5, R3-5): a host moves ie -> uk and, while the landing's probe runs on uk-1 before the
+    commit, the app's users write to it. The edge table names no held route and no probe, so the write waits for the
+    open (asked again until the host serves on uk-1). Mutated, uk-1's edge table names the probe: a public write
+    reaches the move's target before the commit (INV-5)."""
+    mw = await _serving_with_writes(world, 2)
+    await _request_move(mw, "uk")
+    agent = mw.slots["uk-1"].actor.agent
+
+    def probing() -> bool:
+        running = agent.instances.get(H)
+        record = mw.records.get(H)
+        move = record.move if record is not None else None
+        return running is not None and running.origin == "probe" and move is not None and move.committed_at is None
+
+    await world.until("the landing's probe runs on uk-1", probing, timeout=4 * 3600.0)
+    mw.write(H, "during-probe")  # answered "asleep": nothing serves it on uk-1 until the open
+    await _closed(mw)
+    await _serving_on(mw, "uk-1")
+    await _writes(mw, 2, "after")
+
+
 WITNESSES: tuple[Witness, ...] = (
     Witness("wMove", ("record-first-close",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
     Witness("wDirtyRollback", ("dirty-return",), "INV-2", ((H, "ie-1"),), w_dirty_rollback,
@@ -491,6 +513,8 @@ WITNESSES: tuple[Witness, ...] = (
             w_ack_before_admission.__doc__ or "", moves=True),
     Witness("wTwoWakes", ("hostguard",), "INV-1", ((H, "ie-1"),), w_two_wakes, w_two_wakes.__doc__ or "",
             moves=True),
+    Witness("wPublicDuringProbe", ("commit-before-open",), "INV-5", ((H, "ie-1"),), w_public_during_probe,
+            w_public_during_probe.__doc__ or "", moves=True),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,
             w_exec_admission.__doc__ or ""),
     Witness("wHostGuard", ("admit-bind-op", "hostguard"), "INV-1", ((H, "ie-1"),), w_host_guard,

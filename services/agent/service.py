@@ -42,7 +42,7 @@ from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from events.record import Record
-from kernel import ports
+from kernel import ports, rules
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
 from kernel.ports import Clock, Random, blocking
@@ -107,6 +107,13 @@ from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
 log = logging.getLogger("hostmove.agent")
+
+rules.register(
+    "commit-before-open",
+    section="INV-5, R3-5; §5.2 (a held row is never served); §7.9",
+    meaning="public delivery only after the commit: the edge table names no held route and no landing's probe",
+    site="services/agent/service.py BoxAgent._endpoint",
+)
 
 
 def dependency_of(exc: Exception) -> str:
@@ -350,9 +357,10 @@ class BoxAgent:
         (§5.2), so a landing's probe app is not named before the open (INV-5; the simulation's edge found the probe
         named in the edge table before the commit)."""
         row = self.registry.get(host)
-        if row is not None and row.held:
+        gated = rules.on("commit-before-open")
+        if gated and row is not None and row.held:
             return None
-        running = self.instances.serving(host)
+        running = self.instances.serving(host) if gated else self.instances.get(host)  # off: the probe is named
         return (running.port, running.session) if running is not None else None
 
     def publish_endpoint(self, host: str) -> None:
