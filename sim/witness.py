@@ -476,6 +476,19 @@ async def w_public_during_probe(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+async def w_move_asleep(world: World) -> None:
+    """source-serves-before-stopping (§19.1): a host that fell asleep on ie-1 is moved to uk. S1 probes the source's
+    instance as it runs (§7.3), so the source wakes it while the cut is before ``stopping``, and the move is done.
+    Mutated (the activator refuses every wake of a moving host), the source is never ready; the move aborts itself
+    after the preparing bound on a healthy world (move-liveness)."""
+    mw = await _serving_with_writes(world, 2)
+    await world.until(f"{H} asleep on ie-1", lambda: mw._asleep(H, mw.checker.claims[H]), timeout=3600.0)
+    await _request_move(mw, "uk")
+    await _closed(mw)
+    await _serving_on(mw, "uk-1")
+    await _writes(mw, 2, "after")
+
+
 WITNESSES: tuple[Witness, ...] = (
     Witness("wMove", ("record-first-close",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
     Witness("wDirtyRollback", ("dirty-return",), "INV-2", ((H, "ie-1"),), w_dirty_rollback,
@@ -513,6 +526,8 @@ WITNESSES: tuple[Witness, ...] = (
             w_ack_before_admission.__doc__ or "", moves=True),
     Witness("wTwoWakes", ("hostguard",), "INV-1", ((H, "ie-1"),), w_two_wakes, w_two_wakes.__doc__ or "",
             moves=True),
+    Witness("wMoveAsleep", ("source-serves-before-stopping",), "move-liveness", ((H, "ie-1"),), w_move_asleep,
+            w_move_asleep.__doc__ or "", moves=True),
     Witness("wPublicDuringProbe", ("commit-before-open",), "INV-5", ((H, "ie-1"),), w_public_during_probe,
             w_public_during_probe.__doc__ or "", moves=True),
     Witness("wExecAdmission", ("exec-admission", "exec-writer"), "INV-1", ((H, "ie-1"),), w_exec_admission,
