@@ -51,3 +51,43 @@ def unique() -> Callable[..., str]:
         return base[: 63 - len(suffix)] + suffix
 
     return make
+
+
+LONG_FIRST = (
+    "tests/test_sim.py::test_the_gate",
+    "tests/test_crash_matrix.py",
+    "tests/test_demo.py",
+    "tests/test_outages.py",
+    "tests/test_rollback.py",
+    "tests/test_repeat_moves.py",
+    "tests/test_app_cli.py::test_box_init",
+    "tests/test_sleep.py",
+    "tests/test_agent.py",
+    "tests/test_relocation.py",
+    "tests/test_readiness_checks.py",
+    "tests/test_source_readiness.py",
+    "tests/test_deployments.py",
+    "tests/test_sim_rates.py",
+)
+"""The longest tests (measured), in the order a parallel run starts them: under pytest-xdist (``make test`` runs
+``-n 4 --maxschedchunk 1``) each worker begins with one of them and the short tests fill the gaps, so the run ends
+with the longest test, not behind it."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, start the long tests first, interleaved with short ones (one long test to each worker's first
+    pair of tests); a serial run keeps the files' order."""
+    if not (getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(p)), len(LONG_FIRST))
+
+    long = sorted((it for it in items if rank(it) < len(LONG_FIRST)), key=rank)  # stable: a file keeps its order
+    short = [it for it in items if rank(it) == len(LONG_FIRST)]
+    ordered: list[pytest.Item] = []
+    for i, item in enumerate(long):
+        ordered.append(item)
+        if i < 8 and short:
+            ordered.append(short.pop(0))
+    items[:] = ordered + short
