@@ -338,7 +338,7 @@ async def _run_projector(app: web.Application) -> AsyncIterator[None]:
 
 async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8080) -> web.AppRunner:
     """Start ``app`` on ``host:port``; ``await runner.cleanup()`` stops it."""
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=5.0)  # an open change feed never holds a stop up for 60 s
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

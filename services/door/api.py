@@ -655,7 +655,7 @@ async def serve_door(
     door: Door, port: int, *, tokens: TokenSet, host: str = "127.0.0.1"
 ) -> web.AppRunner:
     """Start ``door`` on ``host:port``; ``await runner.cleanup()`` stops it."""
-    runner = web.AppRunner(make_app(door, tokens))
+    runner = web.AppRunner(make_app(door, tokens), shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("door listening on %s:%d (%r)", host, port, tokens, extra=ctx(port=port))
