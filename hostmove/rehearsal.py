@@ -154,7 +154,8 @@ def nothing_missing(db_path: Path, ack_logs: Sequence[tuple[Path, str]], host: s
         detail += f" ({len(missing) - len(uncovered)} more covered by a declared loss of " \
                   f"{', '.join(sorted({f'{w.box} session {w.session}' for w in declared}))})"
     if uncovered:
-        detail += f" (first: {uncovered[0]})"
+        boxes = ", ".join(f"{b}: {n}" for b, n in sorted(Counter(box_of[id(a)] for a in uncovered).items()))
+        detail += f" (first: {uncovered[0]}; acknowledged on {boxes})"
     return Check("no acknowledged row is missing", not uncovered and bool(acks), detail)
 
 

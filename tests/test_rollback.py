@@ -52,7 +52,9 @@ async def every_row_home(w: AgentWorld, host: str) -> None:
         claim.holder.admissions
     logs = ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]})
     check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host)
-    assert check.ok and "covered" not in check.detail, check.line()
+    if not (check.ok and "covered" not in check.detail):
+        tails = "\n".join(f"--- {r}\n{a.output()[-6000:]}" for r, a in w.agents.items())
+        raise AssertionError(f"{check.line()}\ndeclared losses: {declared}\n{tails}")
     assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
