@@ -420,6 +420,24 @@ def test_status_lines_follow_the_move() -> None:
         "M-S5", f"The last move of {HOST} ({MOVE_ID}) ended: rolled back.")
 
 
+def test_a_rollback_past_its_release_deadline_waits_on_the_target_m_c10() -> None:
+    """§7.8: until the deadline the host is moving back (M-C8); past it, with the target not yet released, the line
+    says what the host waits for (M-C10), naming the target box; once released it is M-C8 again."""
+    from events.record import Rollback
+
+    rec, claim = record_in("rolling_back")
+    assert rec.move is not None
+    rb = Rollback(id="rb_1", reason="the target failed its probe", target_phase="releasing",
+                  release_deadline=NOW + 1_000)
+    rec = msgspec.structs.replace(rec, move=msgspec.structs.replace(rec.move, rollback=rb))
+    assert status_line(HOST, claim, rec, now_ms=NOW)[0] == "M-C8"
+    code, line = status_line(HOST, claim, rec, now_ms=NOW + 1_001)
+    assert (code, line) == ("M-C10", say("M-C10", box=claim.op.participants[1], region=rec.move.to, host=HOST))
+    released = msgspec.structs.replace(rb, target_phase="released")
+    rec = msgspec.structs.replace(rec, move=msgspec.structs.replace(rec.move, rollback=released))
+    assert status_line(HOST, claim, rec, now_ms=NOW + 1_001)[0] == "M-C8"
+
+
 def test_status_detail_adds_the_journal() -> None:
     rec, claim = record_in("ready")
     short = status_view(HOST, claim, rec, detail=False)

@@ -250,7 +250,7 @@ class Door:
             log.info("move %s of %s: record finished by a retry", claim.op.id, host,
                      extra=ctx(host=host, op_id=claim.op.id, phase="move-requested"))
         record = out.state if isinstance(out, Committed) else await self.record(host)
-        view = status_view(host, claim, record, detail=False)
+        view = status_view(host, claim, record, detail=False, now_ms=self.clock.now_ms())
         view.update(started=started, record_written=isinstance(out, Committed))
         if started:
             intent = claim.op.intent
@@ -278,7 +278,7 @@ class Door:
         if isinstance(out, Conflict):
             return refusal_answer(refuse(409, "M-R17", host=host))
         record = out.state if isinstance(out, Committed) else await self.record(host)
-        view = status_view(host, claim, record, detail=False)
+        view = status_view(host, claim, record, detail=False, now_ms=self.clock.now_ms())
         move = record.move if record is not None else None
         if isinstance(out, Committed):
             log.info("%s of %s: move %s (operator %s)", name, host, move.id if move else "-", who.label,
@@ -325,7 +325,7 @@ class Door:
         log.warning("resolve --retry of %s: move %s back to %s (operator %s)", host, move.id if move else "-",
                     move.state if move else "-", who.label,
                     extra=ctx(host=host, op_id=move.id if move else None, phase="move-retry", operator=who.label))
-        view = status_view(host, claim, record, detail=False)
+        view = status_view(host, claim, record, detail=False, now_ms=self.clock.now_ms())
         view.update(changed=isinstance(out, Committed), copy="M-S9",
                     message=say("M-S9", host=host, from_region=move.from_ if move is not None else "its region"))
         return Answer(200, view)
@@ -368,7 +368,7 @@ class Door:
         record = await self.record(host)
         if claim is None and record is None:
             return refusal_answer(refuse(404, "M-R2", host=host))
-        view = status_view(host, claim, record, detail=detail)
+        view = status_view(host, claim, record, detail=detail, now_ms=self.clock.now_ms())
         if detail and record is not None and record.move is not None and isinstance(view.get("detail"), dict):
             view["detail"]["readiness"] = await self.readiness(host, record.move.id)
         return Answer(200, view)

@@ -476,8 +476,10 @@ def decide_abort(
 # -- status (§12) ---------------------------------------------------------------------------------
 
 
-def status_line(host: str, claim: Claim | None, record: Record | None) -> tuple[str, str]:
-    """``(copy id, sentence)`` for ``GET .../move``."""
+def status_line(host: str, claim: Claim | None, record: Record | None, *, now_ms: int | None = None
+                ) -> tuple[str, str]:
+    """``(copy id, sentence)`` for ``GET .../move``. With ``now_ms``, a rollback past its ``release_deadline`` whose
+    target has not released is M-C10 (§7.8: the host is offline until the target confirms its stop)."""
     move = record.move if record is not None else None
     op = claim.op if claim is not None else Op()
     if op.kind == "relocating" and op.phase == "pinning":
@@ -501,6 +503,11 @@ def status_line(host: str, claim: Claim | None, record: Record | None) -> tuple[
         if move.state == "reverting":  # §7.4 reverting
             return "M-S8", say("M-S8", host=host, reason=move.reason.rstrip(".") or "the cut stopped",
                                from_region=move.from_ or "its region")
+        rb = move.rollback
+        if (move.state == "rolling_back" and rb is not None and now_ms is not None and rb.release_deadline is not None
+                and now_ms > rb.release_deadline and rb.target_phase in ("", "releasing")):
+            target = claim.op.participants[1] if claim is not None and len(claim.op.participants) > 1 else "the target"
+            return "M-C10", say("M-C10", box=target, region=move.to, host=host)
         if move.state == "rolling_back":  # §7.8
             return "M-C8", say("M-C8", to_region=move.to, host=host, reason=move.reason.rstrip(".") or "it failed",
                                from_region=move.from_ or "its region")
@@ -530,12 +537,13 @@ def claim_summary(claim: Claim) -> dict[str, Any]:
             "participants": list(op.participants)}
 
 
-def status_view(host: str, claim: Claim | None, record: Record | None, *, detail: bool) -> dict[str, Any]:
+def status_view(host: str, claim: Claim | None, record: Record | None, *, detail: bool,
+                now_ms: int | None = None) -> dict[str, Any]:
     """``GET .../move`` (§12): the record's move (or ``last_move``) and the claim's op kind, phase and
     exec; ``detail`` adds every phase, report and evidence field the record and claim hold."""
     move = record.move if record is not None else None
     last = record.last_move if record is not None else None
-    copy_id, message = status_line(host, claim, record)
+    copy_id, message = status_line(host, claim, record, now_ms=now_ms)
     view: dict[str, Any] = {
         "host": host,
         "claim": claim_summary(claim) if claim is not None else None,
