@@ -310,6 +310,41 @@ async def test_a_covered_local_baseline_is_refused_with_an_alert(world: World, u
     assert [a for a in alerts if a.subject == host], "the refusal is alerted"
 
 
+async def test_a_published_generation_found_empty_is_refused_with_an_alert(world: World,
+                                                                          unique: Callable[[str], str]) -> None:
+    """``empty-generation-refused`` (§5.1 step 9): the marker names a generation that holds no replica file (its
+    objects deleted out of band, the box's disk lost): the start is refused and alerted, never restored to an empty
+    database; each wake refuses again and nothing is admitted."""
+    ctx = world.box("ie-e")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    assert isinstance(await act.wake(host), Started)
+    await act.stop(host)
+    assert isinstance(await act.wake(host), Started), "a healthy second wake"
+    await act.stop(host)
+    claim = await world.claim(host)
+    holder = claim.holder
+    assert holder is not None
+    bucket = world.buckets["ie"]
+    gone = 0
+    for prefix in generation_prefixes(holder.location, holder.generation):
+        for v in await world.store.list_versions(bucket, prefix):
+            await world.store.delete(bucket, v.key, version_id=v.version_id)
+            gone += 1
+    assert gone, "the generation held objects before"
+    for path in ctx.data_dir.glob(f"{host}.db*"):  # and the disk lost (else the next wake flushes it back, §5.3)
+        path.unlink()
+    for _ in range(2):
+        with pytest.raises(BaselineRefused, match="holds no replica file"):
+            await act.wake(host)
+        assert (await world.claim(host)) == claim, "nothing was admitted"
+        assert not ctx.tree.populated(host), "nothing started"
+    alerts = [decode(m.data, Fact) async for m in world.events.replay(FACTS_STREAM,
+                                                                      subject=alert_subject("baseline-refused"))]
+    mine = [a for a in alerts if a.subject == host]
+    assert mine and "holds no replica file" in str(mine[0].payload["reason"]), "the refusal is alerted"
+
+
 async def test_retention_deletes_old_archives_by_exact_versions(world: World, unique: Callable[[str], str]) -> None:
     """Item 7: the parks' ``superseded/`` destinations and a move's ``move-snapshots/`` older than the retention are
     deleted by exact versions, each with a manifest under ``retired/``; never one an obligation or the claim's

@@ -139,6 +139,13 @@ rules.register(
 
 
 rules.register(
+    "empty-generation-refused",
+    section="§5.1 step 9 (an empty holder.generation the journal does not explain refuses the start); §7.14 item 3",
+    meaning="a start whose run walk reaches the published generation and finds it empty in this region is refused "
+            "and alerted, never restored to an empty database",
+    site="services/box/instance/activator.py Activator._baseline",
+)
+rules.register(
     "final-checkpoint-after-restart",
     section="§5.3 step 5 (a final checkpoint of the local database into the box's own instances/)",
     meaning="a stop with no replicating process left flushes the local database's committed state first",
@@ -399,23 +406,36 @@ class Activator:
         chain = admission_chain(claim)
         links = chain[: chain.index(named) + 1] if named in chain else chain[:1]
         regions = {normalize(a.generation): a.region for a in holder.admissions}
+        refuse_empty = rules.on("empty-generation-refused")
         for link in links:
             if regions.get(link, self.ctx.region) != self.ctx.region:
                 continue  # a foreign link: its objects are in its own region's bucket
             if link_covered(claim, self.ctx.region, link) and rules.on("covered-baseline-refused"):
                 why = (f"the baseline generation {link or 'origin'} of {claim.host} is already covered (queued for "
                        "retirement or retired); this box does not restore it")
-                outbox = AlertOutbox(self.ctx.box_dir)
-                outbox.add(Fact(kind="baseline-refused", subject=claim.host,
-                                id=f"{claim.host}:{holder.session}:{link or ROOT}", actor=self.ctx.ledger.actor,
-                                at=self.ctx.clock.now_ms(), payload={"generation": link, "reason": why}))
-                await outbox.flush(self.ctx.ledger.events)
+                await self._alert_baseline(claim, link, why)
                 raise BaselineRefused(why)
             files = await list_generation(self.ctx.data_store, self.ctx.data_bucket,
                                           GenerationScope(holder.location, link))
             if files:
                 return link, max(f.max_txid for f in files)
+            if link == named and named != ORIGIN and refuse_empty:
+                # the marker is written after its generation's first upload (§5.1 step 9), so a published
+                # generation holding nothing is missing data no journal explains: restoring it would start empty
+                why = (f"the published generation {named} of {claim.host} holds no replica file in {self.ctx.region}; "
+                       "its data is missing and this box does not start the host on an empty database")
+                await self._alert_baseline(claim, link, why)
+                raise BaselineRefused(why)
         return None, 0
+
+    async def _alert_baseline(self, claim: Claim, link: str, why: str) -> None:
+        """One durable alert per refused baseline and session (``baseline-refused``)."""
+        assert claim.holder is not None
+        outbox = AlertOutbox(self.ctx.box_dir)
+        outbox.add(Fact(kind="baseline-refused", subject=claim.host,
+                        id=f"{claim.host}:{claim.holder.session}:{link or ROOT}", actor=self.ctx.ledger.actor,
+                        at=self.ctx.clock.now_ms(), payload={"generation": link, "reason": why}))
+        await outbox.flush(self.ctx.ledger.events)
 
     async def _newest_with_objects(self, claim: Claim) -> tuple[str | None, int]:
         """The newest generation on the admissions chain holding objects, whatever covers it (the rule's mutation)."""
