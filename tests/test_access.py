@@ -412,7 +412,10 @@ def test_the_read_only_and_console_identities(stack: StackInfo, deployment: Depl
         assert _denied(call)
     console = _s3(stack, deployment.creds[CONSOLE])
     console.put_object(Bucket=d, Key="control/records/h1.json", Body=b"{}")
+    console.put_object(Bucket=d, Key="moves/h1/op1/log/000000000001.json", Body=b"{}")  # its move log (§13)
+    console.put_object(Bucket=d, Key="moves/_by-id/op1.json", Body=b"{}")
     for call in (lambda: console.put_object(Bucket=d, Key=ROSTER_KEY, Body=b"{}"),
+                 lambda: console.put_object(Bucket=d, Key="moves/h1/op1/stopped-source.json", Body=b"{}"),
                  lambda: console.put_object(Bucket=own, Key="instances/h1/db", Body=b"x"),
                  lambda: console.get_object(Bucket=own, Key="instances/h1/db")):
         assert _denied(call)
