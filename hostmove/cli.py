@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hostmove import rehearse
 
     rehearse.add_parser(sub)
+    from hostmove import read_cli
+
+    read_cli.add_parsers(p, sub)  # host list|show, box list|show, move list|history|show, alerts, -o, --version
     return p
 
 
@@ -354,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_stack(args)
         from hostmove import app_cli, move_cli
 
+        if getattr(args, "read", None) is not None:  # the read commands (hostmove.read_cli)
+            return asyncio.run(args.read(args))
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
                   "deployment": _deployment}[args.command]
