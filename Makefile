@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
+.PHONY: demo test browser bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,8 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/hostmove demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's headless chromium, installed here once
+# when this runs as root with apt (the CI); elsewhere it says so and the test is skipped. Idempotent.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+	      >/dev/null; }; }; } || echo "chromium is not installed (as root: apt-get install chromium chromium-driver): \
+	  tests/test_dashboard_browser.py will be skipped"
 
 # Each benchmark prints `RESULT <name> ratio=<x> target=<y>` last and exits non-zero below target;
 # `make bench` runs them all and reports every result before failing.
