@@ -41,7 +41,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.ledger.movelog import MoveLog
 from services.objstore.s3 import S3Store
-from tests.helpers.agents import agent_world, answers_ready, data_buckets, eventually
+from tests.helpers.agents import AgentWorld, agent_world, answers_ready, data_buckets, eventually
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -61,6 +61,10 @@ OBSERVER = """() => {
   };
   seen();
   new MutationObserver(seen).observe(document.getElementById("main"), {childList: true, subtree: true});
+  window.__said = [];
+  const live = document.getElementById("live");
+  new MutationObserver(() => window.__said.push(live.textContent)).observe(live, {childList: true, subtree: true,
+                                                                                 characterData: true});
 }"""
 
 
@@ -68,6 +72,11 @@ OBSERVER = """() => {
 async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
     async with data_buckets(stack, unique, "dash") as s:
         yield s
+
+
+async def _closed(w: AgentWorld, host: str, move_id: str) -> bool:
+    record = (await w.ledger.read_record(host)).state
+    return record is not None and record.last_move is not None and record.last_move.id == move_id
 
 
 async def axe_clean(page: Any, what: str) -> None:
@@ -131,10 +140,7 @@ async def test_the_dashboard_follows_a_real_move_live(stack: StackInfo, unique: 
                 await page.wait_for_selector(f'section.move[data-move="{move_id}"]', timeout=30_000)
                 await page.screenshot(path=str(shots / "2-moving.png"), full_page=True)
 
-                async def closed() -> bool:
-                    record = (await w.ledger.read_record(host)).state
-                    return record is not None and record.last_move is not None and record.last_move.id == move_id
-                await eventually(closed, f"the move {move_id} to close", 90)
+                await eventually(lambda: _closed(w, host, move_id), f"the move {move_id} to close", 90)
                 await page.wait_for_function(
                     f"""() => {{ const r = document.querySelector('tr[data-host="{host}"]');
                     return r && r.querySelector('td.state').textContent === 'serving'
@@ -155,7 +161,26 @@ async def test_the_dashboard_follows_a_real_move_live(stack: StackInfo, unique: 
                 assert alert is not None and bad in alert
                 await axe_clean(page, "the fleet view after the move")
 
+                # a rebuild of the projection (a new identity: the feed answers resync), then the move back: the
+                # page takes a new snapshot and follows again, still without a reload
+                await proj.rebuild(events)
+                await page.wait_for_function("window.__phases.length > 0", timeout=5_000)
+                await page.evaluate("window.__phases = []")
+                back = await door.request_move(host, MoveRequest("ie", "auto"), Identity("op", "operator"))
+                assert back.status in (200, 201), back.body
+                back_id = str(back.body["move"]["id"])
+                await eventually(lambda: _closed(w, host, back_id), f"the move {back_id} to close", 90)
+                await page.wait_for_function(
+                    f"""() => {{ const r = document.querySelector('tr[data-host="{host}"]');
+                    return r && r.textContent.includes('{w.labels["ie"]}')
+                      && r.querySelector('td.state').textContent === 'serving'; }}""", timeout=30_000)
+                assert await page.evaluate("window.__marker") == "no reload"
+                said: list[str] = await page.evaluate("window.__said")
+                assert any(t.startswith("The projection was rebuilt") for t in said), said[-5:]
+                assert "preparing" in await page.evaluate("window.__phases")  # followed after the resync
+
                 await page.goto(base + "/hosts/" + host)
+                assert await page.locator("#history li[data-move]").count() == 2  # the history grew by one
                 entry = page.locator(f'#history li[data-move="{move_id}"]')
                 await entry.wait_for(timeout=10_000)
                 assert await entry.locator(".outcome").text_content() == "done"
