@@ -42,7 +42,7 @@ from services.door.auth import Identity, TokenSet
 from services.door.decide import MoveRequest
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
-from services.ledger.movelog import MoveLog, entry_for, summary_for
+from services.ledger.movelog import MoveLog, entry_for, read_move, summary_for
 from services.objstore.s3 import S3Store
 from tests.helpers.agents import AgentWorld, agent_world, answers_ready, data_buckets, eventually
 
@@ -346,3 +346,85 @@ def test_the_document_describes_every_console_route(tmp_path: Path) -> None:
     assert routes == {p for p in document()["paths"] if p.startswith("/v1/")}
     assert set(PATHS) <= routes
     store.close()
+
+
+async def test_the_writer_logs_each_transition_once_and_a_relay_logs_a_dead_writers() -> None:
+    """The ledger logs a record transition after its CAS (create-only: a retry writes nothing twice); a writer that
+    dies between its CAS and its log leaves the entry to the relay, which writes it under the writer's own actor."""
+    from bus.memory_log import MemoryEventLog
+    from kernel.ports import ManualClock
+    from services.ledger import Crash
+    from services.ledger.movelog import entry_key, index_key, read_history
+    from services.objstore.memory import MemoryStore
+
+    store, events, clock, bucket = MemoryStore(), MemoryEventLog(), ManualClock(), "deploy"
+    await store.create_bucket(bucket)
+    log = MoveLog(store, bucket)
+    move = Move(id="m1", incarnation="i" * 64, to="uk", state="preparing", from_="ie", requested_at=0)
+
+    def crash_after_cas(point: str) -> None:
+        if point == "after_cas:record:prepared":
+            raise Crash(point)
+
+    writer = Ledger(store, events, clock, Actor(service="box", pid=1, nonce="a", box="ie-1"), bucket,
+                    faults=crash_after_cas, movelog=log)
+    out = await writer.transition("record", "h", "request", lambda cur: Record(host="h", gen=1, move=move))
+    assert isinstance(out, Committed)
+    with pytest.raises(Crash):
+        await writer.transition("record", "h", "prepared",
+                                lambda cur: Record(host="h", gen=1, move=msgspec_replace(move, state="ready")))
+    assert [r["move_id"] for r in await read_history(store, bucket, "h")] == ["m1"]
+    assert (await store.get(bucket, entry_key("h", "m1", 2))).__class__.__name__ == "Missing"
+    relay = Ledger(store, events, clock, Actor(service="relay", pid=2, nonce="b"), bucket, movelog=log)
+    await relay.relay("record", "h")
+    got = await read_move(store, bucket, "m1")
+    assert got is not None and [(e["gen"], e["state"], e["actor"]["box"]) for e in got["entries"]] == [
+        (1, "preparing", "ie-1"), (2, "ready", "ie-1")]
+    assert (await store.get(bucket, index_key("m1"))).__class__.__name__ == "Got"
+    await log.note(None, Record(host="h", gen=2, move=msgspec_replace(move, state="cutting")), _meta("x", 9))
+    again = await read_move(store, bucket, "m1")
+    assert again is not None and again["entries"][1]["state"] == "ready"  # create-only: never rewritten
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_alerts_follow_prints_each_new_alert_once(stack: StackInfo, unique: Callable[[str], str],
+                                                       tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.objstore.memory import MemoryStore
+
+    monkeypatch.setattr(read_cli, "FOLLOW_EVERY_S", 0.1)
+    events = await NatsEventLog.connect(stack.nats_url)
+    proj = ProjectionStore.open(tmp_path, rng=SystemRandom(), clock=WallClock())
+    app = projection_app(proj, console=Console(MemoryStore(), "b", events, Access(open=True)))
+    kind = unique("follow")
+    actor = Actor(service="test", pid=1, nonce="t")
+    try:
+        async with TestServer(app) as server:
+            env = {"HOSTMOVE_PROJECTIONS_URL": str(server.make_url("")).rstrip("/")}
+            await publish_alert(events, Fact(kind=kind, subject="h1", id="one", actor=actor, at=1000,
+                                             payload={"sentence": "the first one."}))
+            capsys.readouterr()
+            task = asyncio.ensure_future(read_cli.run(build_parser().parse_args(["alerts", "--follow"]), environ=env))
+
+            async def printed(text: str) -> str | None:
+                await asyncio.sleep(0)
+                return seen if text in (seen := seen_out()) else None
+
+            out: list[str] = []
+
+            def seen_out() -> str:
+                out.append(capsys.readouterr().out)
+                return "".join(out)
+
+            await eventually(lambda: printed("the first one."), "the first alert printed", 15)
+            await publish_alert(events, Fact(kind=kind, subject="h2", id="two", actor=actor, at=2000,
+                                             payload={"sentence": "the second one."}))
+            text = await eventually(lambda: printed("the second one."), "the second alert printed", 15)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert text.count("the first one.") == 1 and text.count("the second one.") == 1
+            assert f"alert {kind} on h2: the second one." in text
+    finally:
+        await events.close()
+        proj.close()

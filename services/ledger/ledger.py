@@ -364,6 +364,8 @@ class Ledger:
             raise _StreamAhead(f"the stream is ahead of the read of the {obj} of {host}: {last_gen} > {state.gen}")
         if cur.meta is not None and last_gen == state.gen - 1:
             seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
+            if self.movelog is not None and obj == "record":  # §13: a writer that died after its CAS logged nothing
+                await self.movelog.note(None, state, cur.meta)  # type: ignore[arg-type]
             log.info("relayed %s %s gen %d", obj, host, state.gen,
                      extra=ctx(host=host, op_id=_op_id(state), phase="relay", obj=obj, gen=state.gen))
             return seq
