@@ -328,6 +328,15 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
         except TokenConfigError as exc:
             log.error("hostmove serve door: %s", exc, extra=ctx(reason=exc))
             return 2
+    if service == "projections":  # who may read the console and the dashboard (issue 20)
+        from projections.console import Access
+        from services.door.auth import TokenConfigError
+
+        try:
+            Access.from_env()
+        except TokenConfigError as exc:
+            log.error("hostmove serve projections: %s", exc, extra=ctx(reason=exc))
+            return 2
     if service == "box" and not label:
         log.error("hostmove serve box: name the box with --label")
         return 2

@@ -32,6 +32,7 @@ from services.door.auth import (
     ENV_STATUS,
     ENV_STATUS_FILE,
     Identity,
+    TokenConfigError,
     TokenSet,
     parse_entries,
 )
@@ -77,7 +78,11 @@ class Access:
             if env.get(name):
                 entries += parse_entries(env[name].split(","), role, name)  # type: ignore[arg-type]
             if env.get(file_name):
-                lines = Path(env[file_name]).read_text(encoding="utf-8").splitlines()
+                try:
+                    lines = Path(env[file_name]).read_text(encoding="utf-8").splitlines()
+                except OSError as exc:
+                    raise TokenConfigError(f"{file_name} names {env[file_name]}, which cannot be read: "
+                                           f"{exc.strerror}") from None
                 entries += parse_entries(lines, role, file_name)  # type: ignore[arg-type]
         opened = env.get(ENV_OPEN, "").strip().lower() in ("1", "true", "yes")
         return cls(TokenSet(entries) if entries else None, opened)

@@ -121,6 +121,10 @@ def test_access_refuses_in_words_and_opens_only_when_told() -> None:
     assert tokens.identify(f"Bearer {STATUS}", None) is not None and tokens.identify(None, STATUS) is not None
     assert tokens.identify("Bearer wrong", "wrong") is None
     assert Access.from_env({"HOSTMOVE_DASHBOARD_OPEN": "1"}).identify(None, None) is not None
+    from services.door.auth import TokenConfigError
+
+    with pytest.raises(TokenConfigError, match="cannot be read"):
+        Access.from_env({"HOSTMOVE_STATUS_TOKENS_FILE": "/nonexistent/tokens"})
 
 
 # -- the real stack ----------------------------------------------------------------------------------
