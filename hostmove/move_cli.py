@@ -697,6 +697,10 @@ async def _status(door: DoorClient, args: argparse.Namespace, clock: Clock, out:
 
         body = {**reply.body, "next_steps": next_steps(reply.body, args.host, clock.now_ms())}
     lines = [json.dumps(body, indent=2, sort_keys=True)] if as_json else status_lines(reply.body, clock.now_ms())
+    if not as_json:
+        from hostmove.read_cli import next_steps
+
+        lines += [f"next: {s['command']} ({s['why']})" for s in next_steps(reply.body, args.host, clock.now_ms())]
     if getattr(args, "detail", False) and not as_json:
         lines += readiness_lines(reply.body)
     for line in lines:

@@ -221,6 +221,8 @@ async def test_two_moves_are_logged_and_every_read_verb_answers_in_both_outputs(
             status = await eventually(ready, "the manual move to be ready", 60, every_s=0.3)
             assert [s["command"] for s in status["next_steps"]] == [f"hostmove move cut --host {host}",
                                                                       f"hostmove move abort --host {host}"]
+            code, out = await cli(capsys, door_env, "move", "status", "--host", host)
+            assert code == 0 and f"next: hostmove move cut --host {host} (" in out, out
             async def listed_ready() -> dict[str, Any] | None:
                 code, out = await cli(capsys, env, "move", "list", "--live", "-o", "json")
                 assert code == 0, out
