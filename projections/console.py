@@ -217,6 +217,7 @@ class Console:
         self._alerts: list[dict[str, Any]] = []
         self._alerts_seq = 0  # the facts stream's last seq the cache has read up to
         self._alerts_lock = asyncio.Lock()
+        self._alerts_task: asyncio.Future[None] | None = None
 
     def _need_store(self) -> ObjectStore:
         if self.store is None:
@@ -242,17 +243,32 @@ class Console:
         except StoreError as exc:
             raise Unavailable("s3", f"the move log could not be read: {exc}") from None
 
-    async def alerts(self, after: int = 0, limit: int = MAX_ALERTS) -> tuple[list[dict[str, Any]], int]:
-        """The alerts after stream seq ``after`` (the newest ``limit``) and the last seq read."""
+    async def alerts(self, after: int = 0, limit: int = MAX_ALERTS, *, wait: bool = True
+                     ) -> tuple[list[dict[str, Any]], int]:
+        """The alerts after stream seq ``after`` (the newest ``limit``) and the last seq read. With ``wait=False``
+        (the dashboard's render) the alerts read so far, while a read of the newer ones runs in the background: a
+        filtered replay waits out its fetch timeout when the stream's last messages are other facts."""
         if self.events is None:
             raise Unavailable("nats", "this projections service reads no event stream")
-        try:
-            async with self._alerts_lock:
-                await self._catch_up_alerts(self.events)
-        except LogError as exc:
-            raise Unavailable("nats", f"the alerts could not be read: {exc}") from None
+        if not wait:
+            if self._alerts_task is None or self._alerts_task.done():
+                if self._alerts_task is not None and self._alerts_task.exception() is not None:
+                    failed, self._alerts_task = self._alerts_task.exception(), None
+                    raise Unavailable("nats", f"the alerts could not be read: {failed}")
+                self._alerts_task = asyncio.ensure_future(self._locked_catch_up(self.events))
+            if self._alerts_seq == 0:  # nothing read yet: this once, wait for it
+                await asyncio.shield(self._alerts_task)
+        else:
+            await self._locked_catch_up(self.events)
         found = [a for a in self._alerts if a["seq"] > after]
         return found[-limit:], self._alerts_seq
+
+    async def _locked_catch_up(self, events: EventLog) -> None:
+        try:
+            async with self._alerts_lock:
+                await self._catch_up_alerts(events)
+        except LogError as exc:
+            raise Unavailable("nats", f"the alerts could not be read: {exc}") from None
 
     async def _catch_up_alerts(self, events: EventLog) -> None:
         """Read the alerts published since the last read into the cache (a replay of ``hm.alert.>`` only)."""

@@ -220,7 +220,7 @@ def alerts_section(alerts: Sequence[dict[str, Any]] | None, why: str = "") -> st
 
 async def _alerts(request: web.Request) -> tuple[list[dict[str, Any]] | None, str]:
     try:
-        found, _ = await request.app[CONSOLE].alerts()
+        found, _ = await request.app[CONSOLE].alerts(wait=False)
         return found, ""
     except Unavailable as exc:
         return None, exc.reason
