@@ -145,6 +145,12 @@ def rows_of(verb: str, body: Mapping[str, Any]) -> list[str]:
                                                e["rollback_source_phase"]) if p),
                          e["actor"]["service"] + (f"@{e['actor']['box']}" if e["actor"]["box"] else ""), e["reason"])
                         for e in body.get("entries", [])])
+        if body.get("claim_entries"):
+            lines.append("the claim through the move:")
+            lines += table(("GEN", "AT", "TRANSITION", "OP", "PHASE", "EXECUTES", "BY"),
+                           [(c["gen"], utc_text(c["at"]), c["name"], c["kind"], c["phase"], c["exec"],
+                             c["actor"]["service"] + (f"@{c['actor']['box']}" if c["actor"]["box"] else ""))
+                            for c in body["claim_entries"]])
         return lines
     if verb == "alerts":
         return [f"{utc_text(a['at'])}  {'incident' if a['incident'] else 'alert'} {a['kind']} on {a['subject']}"

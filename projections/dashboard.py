@@ -303,6 +303,18 @@ async def move_main(request: web.Request, move_id: str, host: str | None) -> str
                  '<th scope="col">gen</th><th scope="col">at</th><th scope="col">transition</th>'
                  '<th scope="col">state</th><th scope="col">phases</th><th scope="col">written by</th>'
                  '<th scope="col">reason</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>")
+    claims = []
+    for c in log.get("claim_entries") or []:
+        actor = c.get("actor") or {}
+        who = actor.get("service", "") + (f" on {actor['box']}" if actor.get("box") else "")
+        claims.append(f'<tr><td>{_e(c.get("gen"))}</td><td>{_e(utc_text(c.get("at")))}</td><td>{_e(c.get("name"))}'
+                      f'</td><td>{_e(c.get("kind"))}</td><td>{_e(c.get("phase") or "-")}</td><td>{_e(c.get("exec"))}'
+                      f"</td><td>{_e(who)}</td></tr>")
+    if claims:
+        parts.append('<table id="claim-entries"><caption>The claim through the move: who executes</caption><thead>'
+                     '<tr><th scope="col">gen</th><th scope="col">at</th><th scope="col">transition</th>'
+                     '<th scope="col">op</th><th scope="col">phase</th><th scope="col">executes</th>'
+                     '<th scope="col">written by</th></tr></thead><tbody>' + "".join(claims) + "</tbody></table>")
     return "".join(parts)
 
 

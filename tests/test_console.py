@@ -291,6 +291,10 @@ async def test_two_moves_are_logged_and_every_read_verb_answers_in_both_outputs(
             assert ("door", "") in writers and any(box == w.labels["ie"] for _, box in writers), writers
             assert any(box == w.labels["uk"] for _, box in writers), writers  # the target logs its own transitions
             assert all(len(e["digests"]["record_sha256"]) == 64 for e in log["entries"])
+            claims = log["claim_entries"]
+            assert claims[0]["kind"] == "moving" and claims[0]["exec"] == w.labels["ie"], claims[0]
+            assert any(c["kind"] == "landing" and c["exec"] == w.labels["uk"] for c in claims), claims
+            assert claims[-1]["kind"] == "serving" and claims[-1]["exec"] == w.labels["uk"], claims[-1]
             gens = [e["gen"] for e in log["entries"]]
             assert gens == sorted(set(gens))
             boxes = {b["label"]: b for b in bodies["box list"]["boxes"]}

@@ -319,8 +319,8 @@ class Ledger:
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
-            if self.movelog is not None and obj == "record":  # §13: the transition's writer logs it
-                await self.movelog.note(cur.state, new, meta)  # type: ignore[arg-type]
+            if self.movelog is not None:  # §13: the transition's writer logs it
+                await self.movelog.note(cur.state, new, meta)
             self._fault("after_publish")
             self._fault(f"after_publish:{obj}:{meta_name}")
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
@@ -364,8 +364,8 @@ class Ledger:
             raise _StreamAhead(f"the stream is ahead of the read of the {obj} of {host}: {last_gen} > {state.gen}")
         if cur.meta is not None and last_gen == state.gen - 1:
             seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
-            if self.movelog is not None and obj == "record":  # §13: a writer that died after its CAS logged nothing
-                await self.movelog.note(None, state, cur.meta)  # type: ignore[arg-type]
+            if self.movelog is not None:  # §13: a writer that died after its CAS logged nothing
+                await self.movelog.note(None, state, cur.meta)
             log.info("relayed %s %s gen %d", obj, host, state.gen,
                      extra=ctx(host=host, op_id=_op_id(state), phase="relay", obj=obj, gen=state.gen))
             return seq

@@ -5,6 +5,8 @@ Written by the actor that made the transition, right after its record CAS (:meth
 
 - ``moves/<host>/<move>/log/<gen>.json``: one :class:`Entry` per record transition of the move (its state, phases,
   reason, digests and §13 timings as they stood at that gen), create-only, so a retry writes nothing twice;
+- ``moves/<host>/<move>/log/claim-<gen>.json``: one :class:`ClaimEntry` per claim transition of the move's op (the
+  execution holder, the participants, the op's phase), up to the claim's return to ``serving``;
 - ``moves/<host>/<move>/log/summary.json``: the :class:`Summary` the closing transition writes (outcome, timings);
 - ``moves/_by-id/<move>.json``: which host a move id belongs to (``hostmove move show MOVE_ID``).
 
@@ -22,6 +24,7 @@ from typing import Any
 import msgspec
 
 from events.base import canonical
+from events.claim import Claim
 from events.envelope import EventMeta
 from events.record import Move, Record
 from kernel.logctx import ctx
@@ -73,6 +76,24 @@ class Entry(msgspec.Struct, frozen=True):
     timings: list[Timing] = msgspec.field(default_factory=list)
 
 
+class ClaimEntry(msgspec.Struct, frozen=True):
+    """One claim transition of a move (the execution holder, the participants, the op's phase) as its writer made it."""
+
+    v: int
+    host: str
+    move_id: str
+    gen: int
+    at: int
+    name: str
+    actor: Actor
+    causation: str
+    kind: str
+    phase: str
+    exec: str
+    participants: list[str]
+    digests: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class Summary(msgspec.Struct, frozen=True):
     """A move's close (§13): its outcome, who asked, when, and its timings against their budgets."""
 
@@ -105,6 +126,10 @@ def log_prefix(host: str, move_id: str) -> str:
 
 def entry_key(host: str, move_id: str, gen: int) -> str:
     return f"{log_prefix(host, move_id)}{gen:012d}.json"
+
+
+def claim_entry_key(host: str, move_id: str, gen: int) -> str:
+    return f"{log_prefix(host, move_id)}claim-{gen:012d}.json"
 
 
 def summary_key(host: str, move_id: str) -> str:
@@ -189,6 +214,25 @@ def entry_for(new: Record, meta: EventMeta) -> Entry | None:
         timings=timings(move, meta.at))
 
 
+MOVE_OPS = ("moving", "landing", "reverting", "restoring")
+"""The claim's op kinds while a move runs (§7.1 to §7.8): its op id is the move's."""
+
+
+def claim_entry_for(prev: Claim | None, new: Claim, meta: EventMeta) -> ClaimEntry | None:
+    """The log entry of the claim transition to ``new``: a move's op (``new``'s, or the one ``prev`` held when
+    ``new`` ends it), else None."""
+    if new.op.kind in MOVE_OPS and new.op.id:
+        move_id = new.op.id
+    elif prev is not None and prev.op.kind in MOVE_OPS and prev.op.id:
+        move_id = prev.op.id
+    else:
+        return None
+    return ClaimEntry(v=VERSION, host=new.host, move_id=move_id, gen=new.gen, at=meta.at, name=meta.name,
+                      actor=_actor(meta), causation=meta.causation, kind=new.op.kind, phase=new.op.phase,
+                      exec=new.op.exec, participants=list(new.op.participants),
+                      digests={"claim_sha256": hashlib.sha256(canonical(new)).hexdigest()})
+
+
 def summary_for(prev: Record | None, new: Record, meta: EventMeta) -> Summary | None:
     """The close's summary: ``new`` ends the live move ``prev`` held (its ``last_move`` names it). None otherwise."""
     if prev is None or prev.move is None or new.move is not None or new.last_move is None:
@@ -222,8 +266,15 @@ class MoveLog:
             log.warning("move log object %s not written: %s", key, exc,
                         extra=ctx(host=host, op_id=move_id, phase="move-log", reason=exc))
 
-    async def note(self, prev: Record | None, new: Record, meta: EventMeta) -> None:
-        """Log the record transition ``prev`` -> ``new`` made under ``meta`` (§13)."""
+    async def note(self, prev: Record | Claim | None, new: Record | Claim, meta: EventMeta) -> None:
+        """Log the transition ``prev`` -> ``new`` made under ``meta`` (§13): a record's or a claim's."""
+        if isinstance(new, Claim):
+            claimed = claim_entry_for(prev if isinstance(prev, Claim) else None, new, meta)
+            if claimed is not None:
+                await self._create(claim_entry_key(new.host, claimed.move_id, new.gen), claimed, new.host,
+                                   claimed.move_id)
+            return
+        prev = prev if isinstance(prev, Record) else None
         entry = entry_for(new, meta)
         if entry is not None:
             if prev is None or prev.move is None or prev.move.id != entry.move_id:
@@ -258,6 +309,7 @@ async def read_move(store: ObjectStore, bucket: str, move_id: str, host: str | N
     if not keys:
         return None
     entries: list[Any] = []
+    claims: list[Any] = []
     summary: Any = None
     for key in keys:
         got = await store.get(bucket, key)
@@ -265,10 +317,13 @@ async def read_move(store: ObjectStore, bucket: str, move_id: str, host: str | N
             continue
         if key.endswith("/summary.json"):
             summary = _json(got.body)
+        elif key[len(prefix):].startswith("claim-"):
+            claims.append(_json(got.body))
         else:
             entries.append(_json(got.body))
     entries.sort(key=lambda e: int(e.get("gen", 0)))
-    return {"host": host, "move_id": move_id, "entries": entries, "summary": summary}
+    claims.sort(key=lambda e: int(e.get("gen", 0)))
+    return {"host": host, "move_id": move_id, "entries": entries, "claim_entries": claims, "summary": summary}
 
 
 async def read_history(store: ObjectStore, bucket: str, host: str) -> list[dict[str, Any]]:
@@ -284,8 +339,8 @@ async def read_history(store: ObjectStore, bucket: str, host: str) -> list[dict[
     out: list[dict[str, Any]] = []
     for move_id, mkeys in moves.items():
         summary = next((k for k in mkeys if k.endswith("/summary.json")), None)
-        first = min((k for k in mkeys if k != summary), default=None)
-        latest = max((k for k in mkeys if k != summary), default=None)
+        records = [k for k in mkeys if k != summary and not k.rsplit("/", 1)[1].startswith("claim-")]
+        first, latest = min(records, default=None), max(records, default=None)
         row: dict[str, Any] = {"move_id": move_id, "host": host, "outcome": None}
         if first is not None and isinstance(got := await store.get(bucket, first), Got):
             e = _json(got.body)
@@ -303,5 +358,6 @@ async def read_history(store: ObjectStore, bucket: str, host: str) -> list[dict[
     return out
 
 
-__all__ = ["Entry", "MoveLog", "Summary", "Timing", "entry_for", "entry_key", "index_key", "log_prefix",
-           "read_history", "read_move", "summary_for", "summary_key", "timings"]
+__all__ = ["MOVE_OPS", "ClaimEntry", "Entry", "MoveLog", "Summary", "Timing", "claim_entry_for", "claim_entry_key",
+           "entry_for", "entry_key", "index_key", "log_prefix", "read_history", "read_move", "summary_for",
+           "summary_key", "timings"]
