@@ -438,3 +438,19 @@ async def test_alerts_follow_prints_each_new_alert_once(stack: StackInfo, unique
     finally:
         await events.close()
         proj.close()
+
+
+def test_a_rolled_back_moves_summary_counts_offline_to_the_sources_reopen() -> None:
+    from events.record import LastMove, Rollback
+
+    rb = Rollback(id="rb1", requested_at=7000, reason="the probe failed", opened_at=12000)
+    move = Move(id="m2", incarnation="i" * 64, to="uk", state="rolled_back", from_="ie", requested_at=1000,
+                cut_at=4000, cut_deadline=64000, cut_budget_s=6.0, flipped_at=5000, landing_deadline=35000,
+                rollback=rb)
+    summary = summary_for(Record(host="h", gen=4, move=move),
+                          Record(host="h", gen=5, last_move=LastMove(id="m2", outcome="rolled_back", at=13000)),
+                          _meta("close", 13000))
+    assert summary is not None and summary.rolled_back and summary.reason == "the probe failed"
+    by = {t.name: t for t in summary.timings}
+    assert by["land"].elapsed_ms == 2000  # the flip to the rollback's request
+    assert by["offline"].elapsed_ms == 8000 and by["offline"].over  # the cut to the source's reopen, past 6 s
