@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
+.PHONY: demo test browser browser bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,17 @@ demo: $(STAMP)
 # The suite runs on TEST_WORKERS processes (pytest-xdist): most real-stack tests wait on processes and polls, so
 # four workers on two cores finish in well under half the serial time; tests/conftest.py starts the longest first.
 TEST_WORKERS ?= 4
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1
+
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's headless chromium, installed here once
+# when this runs as root with apt (the CI); elsewhere it says so and the test is skipped. Idempotent.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+	      >/dev/null; }; }; } || echo "chromium is not installed (as root: apt-get install chromium chromium-driver): \
+	  tests/test_dashboard_browser.py will be skipped"
 
 # Each benchmark prints `RESULT <name> ratio=<x> target=<y>` last and exits non-zero below target;
 # `make bench` runs them all and reports every result before failing.

@@ -140,7 +140,8 @@ def nats_permissions(role: str) -> dict[str, Any] | None:
                 "subscribe": {"allow": [inbox]}}
     if role == PROJECTIONS:
         return {"publish": {"allow": [f"$JS.API.STREAM.INFO.{LEDGER_STREAM}", f"$JS.API.STREAM.INFO.{FACTS_STREAM}",
-                                      f"$JS.API.STREAM.MSG.GET.{LEDGER_STREAM}", *_js_replay(LEDGER_STREAM)]},
+                                      f"$JS.API.STREAM.MSG.GET.{LEDGER_STREAM}", *_js_replay(LEDGER_STREAM),
+                                      *_js_replay(FACTS_STREAM)]},  # the alerts the console shows (issue 20)
                 "subscribe": {"allow": [f"{LEDGER_PREFIX}.>", inbox]}}
     if role == ROUTER:
         return {"publish": {"allow": [f"{BOX_PREFIX}.*.wake", f"$JS.API.STREAM.INFO.{LEDGER_STREAM}",
@@ -323,7 +324,8 @@ def _arn(path: str) -> str:
 OBJECT_READ = ["s3:GetObject", "s3:GetObjectVersion"]
 OBJECT_WRITE = ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"]
 BUCKET_LIST = ["s3:ListBucket", "s3:ListBucketVersions", "s3:GetBucketVersioning"]
-CONSOLE_WRITES = ("control/hosts/", "control/records/", "alerts/", "_probe/", "_health/")
+CONSOLE_WRITES = ("control/hosts/", "control/records/", "alerts/", "_probe/", "_health/",
+                  "moves/*/log/", "moves/_by-id/")  # the move log of the transitions it makes (§13)
 BOX_WRITES = ("control/hosts/", "control/records/", "control/staging-leases/", "alerts/bad-objects/", "moves/",
               "_probe/", "_health/")
 """What a box writes in the deployment bucket: claims and records (through the ledger), the staging-work lease, the

@@ -7,6 +7,7 @@
     hostmove demo                      the main job on the embedded default
     hostmove move --host H --to R      ask the door to move a host (also: move watch|status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
+    hostmove host|box list|show, move list|history|show, alerts [-o json]   read everything (hostmove.read_cli)
 
 Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
 outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hostmove import rehearse
 
     rehearse.add_parser(sub)
+    from hostmove import read_cli
+
+    read_cli.add_parsers(p, sub)  # host list|show, box list|show, move list|history|show, alerts, -o, --version
     return p
 
 
@@ -354,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_stack(args)
         from hostmove import app_cli, move_cli
 
+        if getattr(args, "read", None) is not None:  # the read commands (hostmove.read_cli)
+            return asyncio.run(args.read(args))
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
                   "deployment": _deployment}[args.command]

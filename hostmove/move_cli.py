@@ -691,9 +691,17 @@ async def _status(door: DoorClient, args: argparse.Namespace, clock: Clock, out:
     reply = await door.status(args.host)
     if not reply.ok:
         return not_ok(reply, err)
-    lines = [json.dumps(reply.body, indent=2, sort_keys=True)] if getattr(args, "json", False) else status_lines(
-        reply.body, clock.now_ms())
-    if getattr(args, "detail", False) and not getattr(args, "json", False):
+    as_json = getattr(args, "json", False) or getattr(args, "output", "table") == "json"
+    if as_json:  # -o json: the door's answer and the commands an operator would run next (issue 20 item 3)
+        from hostmove.read_cli import next_steps
+
+        body = {**reply.body, "next_steps": next_steps(reply.body, args.host, clock.now_ms())}
+    lines = [json.dumps(body, indent=2, sort_keys=True)] if as_json else status_lines(reply.body, clock.now_ms())
+    if not as_json:
+        from hostmove.read_cli import next_steps
+
+        lines += [f"next: {s['command']} ({s['why']})" for s in next_steps(reply.body, args.host, clock.now_ms())]
+    if getattr(args, "detail", False) and not as_json:
         lines += readiness_lines(reply.body)
     for line in lines:
         _print(line, out)

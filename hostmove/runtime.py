@@ -42,6 +42,7 @@ from kernel.credentials import (
 )
 from kernel.ports import Clock, Random, SystemRandom, WallClock, pid, process_nonce
 from services.ledger.ledger import Ledger
+from services.ledger.movelog import MoveLog
 from services.objstore.port import Got, StoreUnavailable
 from services.objstore.probe import PROBE_EXIT_CODE, conformance_probe
 from services.objstore.s3 import S3Store
@@ -280,5 +281,5 @@ async def open_runtime(settings: Settings, service: str, *, box: str = "", probe
     if health is not None:
         health.set("nats", True)
     actor = Actor(service=service, box=box, pid=pid(), nonce=process_nonce(rng))
-    ledger = Ledger(store, events, clock, actor, settings.bucket)
+    ledger = Ledger(store, events, clock, actor, settings.bucket, movelog=MoveLog(store, settings.bucket))  # §13
     return Runtime(settings, store, events, ledger, clock, rng, actor)

@@ -147,7 +147,10 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int, health: Heal
     store = ProjectionStore.open(rt.settings.root / "projections", rng=rt.rng, clock=rt.clock)
     projector = Projector(store, rt.events, clock=rt.clock)
     rt.events.on_reconnect(projector.notify)  # a catch-up backing off after an outage goes at once
-    app = make_app(store, clock=rt.clock, projector=projector)
+    from projections.console import Access, Console
+
+    console = Console(rt.store, rt.settings.bucket, rt.events, Access.from_env())  # the dashboard (issue 20)
+    app = make_app(store, clock=rt.clock, projector=projector, console=console)
     health.check("projection", lambda: readiness(store, rt.events, app[PROJECTOR_STATE], max_lag=max_lag))
     wake = await projector.wake_on(rt.events.nc)  # core NATS; nats-py subscribes it again after a reconnect
     runner = await serve(app, port=port or 8080)
@@ -275,7 +278,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         await _answered("the box's data bucket", lambda: rt.store.create_bucket(cfg.data_bucket, versioned=True),
                         stop, service="box")
     faults = Failpoints.from_env()
-    ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults)
+    ledger = Ledger(rt.store, rt.events, rt.clock, rt.actor, rt.settings.bucket, faults=faults,
+                    movelog=rt.ledger.movelog)  # §13: the box's agent logs the transitions it makes
     with box_session(tree):  # every start on this box renders its host's app release (issue 18)
         agent = BoxAgent(cfg, store=rt.store, bucket=rt.settings.bucket, events=rt.events, ledger=ledger,
                          clock=rt.clock, rng=rt.rng, tree=tree, timing=timing, faults=faults)
@@ -323,6 +327,15 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
             load_tokens()
         except TokenConfigError as exc:
             log.error("hostmove serve door: %s", exc, extra=ctx(reason=exc))
+            return 2
+    if service == "projections":  # who may read the console and the dashboard (issue 20)
+        from projections.console import Access
+        from services.door.auth import TokenConfigError
+
+        try:
+            Access.from_env()
+        except TokenConfigError as exc:
+            log.error("hostmove serve projections: %s", exc, extra=ctx(reason=exc))
             return 2
     if service == "box" and not label:
         log.error("hostmove serve box: name the box with --label")

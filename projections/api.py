@@ -23,6 +23,7 @@ from aiohttp import web
 from bus.log import EventLog
 from kernel.logctx import ctx
 from kernel.ports import Clock, WallClock
+from projections.console import Console
 from projections.openapi import DEFAULT_LIMIT, DEFAULT_WAIT_S, MAX_LIMIT, MAX_WAIT_S, document
 from projections.runner import Projector
 from projections.store import ChangesPage, ProjectionStore, Resync
@@ -290,9 +291,11 @@ def make_app(
     poll_interval: float = 0.5,
     max_wait: float = MAX_WAIT_S,
     heartbeat: float = 15.0,
+    console: Console | None = None,
 ) -> web.Application:
     """The read API over ``store``. With ``projector``, the app also runs it while it is up
-    (``/healthz`` answers 503 once it halted, e.g. on a poison message)."""
+    (``/healthz`` answers 503 once it halted, e.g. on a poison message). With ``console``, also the console's reads
+    (:mod:`projections.console_api`) and the dashboard at ``/`` (:mod:`projections.dashboard`)."""
     app = web.Application(middlewares=[_errors])
     app[STORE] = store
     app[CLOCK] = clock or store.clock or WallClock()
@@ -306,6 +309,11 @@ def make_app(
     app.router.add_get("/v1/changes", changes)
     app.router.add_get("/v1/changes/wait", wait_changes)
     app.router.add_get("/v1/stream", stream)
+    if console is not None:  # the console's reads and the dashboard (issue 20)
+        from projections import console_api, dashboard
+
+        console_api.install(app, console)
+        dashboard.install(app)
     if projector is not None:
         app.cleanup_ctx.append(_run_projector)
     return app

@@ -70,7 +70,7 @@ _RESYNC = _json("Resync", "the cursor is not from this projection (rebuilt, malf
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document. Every route of :func:`projections.api.make_app` is here."""
     page = "ChangesPage"
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
             "title": "hostmove projections",
@@ -204,3 +204,9 @@ def document() -> dict[str, Any]:
             },
         }},
     }
+    from projections.console_openapi import PATHS, SCHEMAS, SECURITY_SCHEMES  # the console's routes (issue 20)
+
+    doc["paths"].update(PATHS)
+    doc["components"]["schemas"].update(SCHEMAS)
+    doc["components"]["securitySchemes"] = SECURITY_SCHEMES
+    return doc

@@ -169,7 +169,7 @@ async def test_a_status_reader_publishes_nothing_and_reads_the_ledger(stack: Sta
             assert await reader.denied_publish(subject), subject
         for api in (f"$JS.API.STREAM.DELETE.{LEDGER_STREAM}", f"$JS.API.STREAM.PURGE.{LEDGER_STREAM}",
                     f"$JS.API.STREAM.MSG.DELETE.{LEDGER_STREAM}", f"$JS.API.STREAM.UPDATE.{LEDGER_STREAM}",
-                    f"$JS.API.STREAM.CREATE.{FACTS_STREAM}", f"$JS.API.CONSUMER.CREATE.{FACTS_STREAM}"):
+                    f"$JS.API.STREAM.CREATE.{FACTS_STREAM}", f"$JS.API.STREAM.PURGE.{FACTS_STREAM}"):
             assert await reader.refused_api(api), api
         assert await reader.denied_subscribe("_INBOX.>")  # another role's replies are not its to read
         assert await reader.denied_subscribe("hm.box.>")
@@ -182,6 +182,9 @@ async def test_a_status_reader_publishes_nothing_and_reads_the_ledger(stack: Sta
         got = [m.data async for m in events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host))]
         assert got == [b'{"gen": 1}']
         assert (await events.state(LEDGER_STREAM)).last_seq >= 1
+        await admin.publish(FACTS_STREAM, alert_subject("forge-test"), b'{"kind": "forge-test"}')
+        alerts = [m.data async for m in events.replay(FACTS_STREAM, subject=alert_subject("forge-test"))]
+        assert b'{"kind": "forge-test"}' in alerts  # the alerts the console shows (issue 20)
     finally:
         await events.close()
         await admin.close()
@@ -412,7 +415,10 @@ def test_the_read_only_and_console_identities(stack: StackInfo, deployment: Depl
         assert _denied(call)
     console = _s3(stack, deployment.creds[CONSOLE])
     console.put_object(Bucket=d, Key="control/records/h1.json", Body=b"{}")
+    console.put_object(Bucket=d, Key="moves/h1/op1/log/000000000001.json", Body=b"{}")  # its move log (§13)
+    console.put_object(Bucket=d, Key="moves/_by-id/op1.json", Body=b"{}")
     for call in (lambda: console.put_object(Bucket=d, Key=ROSTER_KEY, Body=b"{}"),
+                 lambda: console.put_object(Bucket=d, Key="moves/h1/op1/stopped-source.json", Body=b"{}"),
                  lambda: console.put_object(Bucket=own, Key="instances/h1/db", Body=b"x"),
                  lambda: console.get_object(Bucket=own, Key="instances/h1/db")):
         assert _denied(call)

@@ -106,7 +106,16 @@ async def _projection_app(root: Path) -> web.Application:
         await feeder.claim(name)
     await feeder.record("h1", move_state="cutting")
     await Projector(store, log, clock=WallClock(), poll_interval=0.05).catch_up()
-    return projection_app(store, poll_interval=0.05, max_wait=1.0, heartbeat=0.2)
+    from projections.console import Console
+
+    objects, bucket = MemoryStore(), "fuzz-deploy"  # the console's reads: a roster of two boxes (issue 20)
+    await objects.create_bucket(bucket)
+    actor = Actor(service="fuzz", pid=1, nonce="fuzz")
+    for label, region in (("ie-1", "ie"), ("uk-1", "uk")):
+        await init_box(root=root.parent / "boxes", label=label, region=region, store=objects, bucket=bucket,
+                       events=log, clock=WallClock(), actor=actor)
+    return projection_app(store, poll_interval=0.05, max_wait=1.0, heartbeat=0.2,
+                          console=Console(objects, bucket, log))
 
 
 def _operations(doc: dict[str, Any]) -> list[Any]:

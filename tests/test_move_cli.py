@@ -290,6 +290,7 @@ async def test_status_json_round_trips_and_status_shows_phase_reasons_and_timing
     code, text = await env.cli(["move", "status", "--host", host, "--json"])
     assert code == 0
     answered = json.loads(text)
+    assert answered.pop("next_steps") == []  # a move cutting needs nobody (issue 20: hostmove.read_cli.next_steps)
     from aiohttp import ClientSession
 
     async with ClientSession() as s, s.get(f"{env.url}/v1/hosts/{host}/move?detail=1",

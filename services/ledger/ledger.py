@@ -40,6 +40,7 @@ from events.record import Record
 from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
+from services.ledger.movelog import MoveLog
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")
@@ -182,8 +183,11 @@ class Ledger:
         actor: Actor,
         bucket: str,
         faults: Callable[[str], None] | None = None,
+        movelog: MoveLog | None = None,
     ) -> None:
         self.store = store
+        self.movelog = movelog
+        """The §13 move log this writer keeps for the record transitions it makes (None: none, e.g. the simulation)."""
         self.events = events
         self.clock = clock
         self.actor = actor
@@ -315,6 +319,8 @@ class Ledger:
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
+            if self.movelog is not None:  # §13: the transition's writer logs it
+                await self.movelog.note(cur.state, new, meta)
             self._fault("after_publish")
             self._fault(f"after_publish:{obj}:{meta_name}")
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
@@ -358,6 +364,8 @@ class Ledger:
             raise _StreamAhead(f"the stream is ahead of the read of the {obj} of {host}: {last_gen} > {state.gen}")
         if cur.meta is not None and last_gen == state.gen - 1:
             seq = await self._publish(obj, host, state, cur.meta, "transition", last.seq if last else 0)
+            if self.movelog is not None:  # §13: a writer that died after its CAS logged nothing
+                await self.movelog.note(None, state, cur.meta)
             log.info("relayed %s %s gen %d", obj, host, state.gen,
                      extra=ctx(host=host, op_id=_op_id(state), phase="relay", obj=obj, gen=state.gen))
             return seq
