@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hostmove import app_cli
 
     app_cli.add_parsers(sub)
+    from hostmove import ops_cli
+
+    ops_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
     from hostmove import rehearse
 
@@ -352,11 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
-        from hostmove import app_cli, move_cli
+        from hostmove import app_cli, move_cli, ops_cli
 
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
-                  "deployment": _deployment}[args.command]
+                  "deployment": _deployment, "login": ops_cli.run, "logout": ops_cli.run,
+                  "token": ops_cli.run}[args.command]
         try:
             return asyncio.run(runner(args))
         except BaseException as exc:  # noqa: BLE001 - an outage is answered in the operator's words, never a trace
