@@ -117,6 +117,10 @@ def load_config(environ: Mapping[str, str]) -> DoorConfig:
     # a stored token goes only to the door it was stored for: never to another URL the environment names
     same_door = stored is not None and stored.door_url.rstrip("/") == url.rstrip("/")
     token = environ.get(ENV_TOKEN, "") or (stored.token if stored is not None and same_door else "")
+    if stored is not None and token == stored.token:
+        from hostmove.logs import add_secret
+
+        add_secret(token)  # the environment does not name it: the log redaction is told (hostmove.logs)
     if not token:
         raise ConfigProblem(f"set {ENV_TOKEN} to your operator token, or run `hostmove login --door URL`: the door "
                             "answers nothing without one (§12)")

@@ -155,3 +155,17 @@ async def test_token_create_refuses_a_label_the_door_would_refuse(tmp_path: Path
     code, out, err = await hostmove(["token", "create", "--role", "status"], clean_env(tmp_path))
     assert code == 0 and "HOSTMOVE_STATUS_TOKENS" in err
     assert hashlib.sha256(out.strip().encode()).hexdigest() in err
+
+
+def test_a_stored_token_is_redacted_from_every_log_line(tmp_path: Path) -> None:
+    import logging
+
+    from hostmove.logs import Redact
+
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    token = "stored-" + uuid.uuid4().hex
+    write_context(env, Context("http://door.example:8081", token))
+    assert move_cli.load_config(env).token == token
+    record = logging.LogRecord("t", logging.INFO, __file__, 1, "sent %s", (token,), None)
+    Redact().filter(record)
+    assert token not in record.getMessage(), "the environment does not name it, the redaction still knows it"
