@@ -7,6 +7,7 @@
     hostmove demo                      the main job on the embedded default
     hostmove move --host H --to R      ask the door to move a host (also: move watch|status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
+    hostmove login --door URL          store the door's URL and a token (also: logout; token create --role R)
 
 Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
 outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it

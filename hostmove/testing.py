@@ -5,10 +5,10 @@ shows:
 
 - ``hostmove_stack`` (session): NATS JetStream and SeaweedFS, from the compose images through testcontainers where
   a Docker engine answers, else the ``embedded`` extra's binaries under a session directory;
-- ``hostmove_deployment``: a deployment of its own on that stack (its own buckets, ``hostmove deployment init``), a
-  box in each of two regions (``ie-1`` in ``ie``, ``uk-1`` in ``uk``; ``hostmove box init``) and its services as
-  processes (the door, the recovery pass, one agent per box), an operator token for the door; a
-  :class:`Deployment`, whose methods run the operator's CLI;
+- ``hostmove_deployment``: a deployment of its own on that stack (its own buckets, what ``hostmove deployment init``
+  makes), a box in each of two regions (``ie-1`` in ``ie``, ``uk-1`` in ``uk``; what ``hostmove box init`` does) and
+  its services as processes (the door, the recovery pass, one agent per box), an operator token for the door; a
+  :class:`Deployment`, whose methods run the operator's CLI (:meth:`Deployment.hostmove`);
 - ``hostmove_app``: the sample app ``moveprobe`` published as a release (:meth:`Deployment.publish`);
 - ``hostmove_host``: a host running it, serving on the first box (:meth:`Deployment.create_host`).
 
@@ -129,10 +129,29 @@ class Deployment:
     # -- set-up -----------------------------------------------------------------------------------------
 
     def init(self) -> None:
-        """``deployment init`` (its buckets, versioned and probed; its key and floor), then ``box init`` of each box."""
-        self.hostmove("deployment", "init", *(a for _, region in self.boxes for a in ("--region", region)))
-        for label, region in self.boxes:
-            self.hostmove("box", "init", "--label", label, "--region", region)
+        """What ``hostmove deployment init --region ...`` and ``hostmove box init`` of each box do (its buckets,
+        versioned and probed; its key and floor; the roster), in this process: one connection, not a command each."""
+        _run_async(self._init())
+
+    async def _init(self) -> None:
+        from hostmove.runtime import open_runtime, settings_from_stack
+        from services.box.deployment import init_deployment, prepare_buckets
+        from services.box.roster import ensure_deployment, init_box
+
+        rt = await open_runtime(settings_from_stack(self.stack, root=self.root, bucket=self.bucket), "testing",
+                                probe=False)
+        try:
+            refused = await prepare_buckets(rt.store, [self.bucket, *(f"{self.data_prefix}-{region}"
+                                                                      for _, region in self.boxes)])
+            if refused is not None:
+                raise HostmoveFailed(f"the store cannot hold a deployment: bucket {refused.bucket}: {refused.why}")
+            await init_deployment(root=self.root, store=rt.store, bucket=self.bucket, clock=rt.clock)
+            await ensure_deployment(rt.store, self.bucket, rng=rt.rng, clock=rt.clock)  # its identity: a box reads it
+            for label, region in self.boxes:
+                await init_box(root=self.root, label=label, region=region, store=rt.store, bucket=self.bucket,
+                               events=rt.events, clock=rt.clock, actor=rt.actor)
+        finally:
+            await rt.close()
 
     def strict_unavailable(self) -> str:
         """Why a box cannot spawn strictly on this machine, or ``""``."""
@@ -170,28 +189,29 @@ class Deployment:
     # -- what a test does -------------------------------------------------------------------------------
 
     def publish(self, manifest: Path | None = None, name: str = "moveprobe") -> int:
-        """Publish ``manifest`` (default: the sample app's, at the demo's cadence) as ``name``'s next release;
-        answers its number."""
+        """Publish ``manifest`` as ``name``'s next release (``hostmove app publish``); without one, the sample app
+        at the demo's cadence (in this process). Answers the release's number."""
         if manifest is None:
-            manifest = self._sample_manifest()
+            return int(_run_async(self._publish_sample(name)))
         out = self.hostmove("app", "publish", "--name", name, str(manifest)).stdout
         found = re.search(r"--release (\d+)", out)
         if found is None:
             raise HostmoveFailed(f"app publish did not name the release: {out}")
         return int(found.group(1))
 
-    def _sample_manifest(self) -> Path:
+    async def _publish_sample(self, name: str) -> int:
+        from hostmove.runtime import open_runtime, settings_from_stack
         from moveprobe import RELEASE_MANIFEST
+        from services.apps.releases import load_manifest, publish
 
-        here = self.root / "moveprobe-release"
-        here.mkdir(parents=True, exist_ok=True)
-        for src in RELEASE_MANIFEST.parent.iterdir():  # the files the manifest names beside it (its timers)
-            if src.is_file() and src.suffix not in (".py", ".pyc") and src.name != RELEASE_MANIFEST.name:
-                (here / src.name).write_bytes(src.read_bytes())
-        extra = "".join(f'{k} = "{v}"\n' for k, v in FAST.items())
-        path = here / RELEASE_MANIFEST.name
-        path.write_text(RELEASE_MANIFEST.read_text().replace("[env]\n", "[env]\n" + extra, 1))
-        return path
+        rt = await open_runtime(settings_from_stack(self.stack, root=self.root, bucket=self.bucket), "testing",
+                                probe=False)
+        try:
+            manifest, files = load_manifest(RELEASE_MANIFEST, name=name, env=FAST)
+            release, _ref = await publish(rt.store, self.bucket, manifest, files, clock=rt.clock, rng=rt.rng)
+        finally:
+            await rt.close()
+        return int(release.release)
 
     def create_host(self, host: str, *, app: str = "moveprobe", box: str | None = None,
                     timeout_s: float = 60.0) -> str:
