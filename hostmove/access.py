@@ -651,7 +651,9 @@ def render_deployment(out: Path, *, boxes: Mapping[str, str], deployment_bucket:
       ``boxes`` (``{label: region}``), each with its own nkey seed, made once;
     - ``nats.conf``: the NATS server's users (public keys only) and their permissions;
     - ``iam/<role>.json``: each role's S3 policy;
-    - ``store/``: the store's ``security.toml`` and TLS (:func:`store_security`), for ``/etc/seaweedfs``.
+    - ``store/``: the store's ``security.toml`` and TLS (:func:`store_security`), for ``/etc/seaweedfs``;
+    - ``deployment-key.pem`` (0600): the deployment's secrets key, made once (``hostmove deployment init
+      --secrets-key`` and ``hostmove box init --secrets-key`` take it; issue 20 item 6).
 
     With ``iam`` (an IAM client as the store's admin: SeaweedFS's embedded IAM or AWS), each role also gets its S3
     user, key (into its credentials file) and policy."""
@@ -681,6 +683,11 @@ def render_deployment(out: Path, *, boxes: Mapping[str, str], deployment_bucket:
     users = [NatsUser(role, public_nkey(c.nats_seed)) for role, c in made.items()]
     atomic_write(out / "nats.conf", json.dumps(nats_config(users), indent=1).encode(), mode=0o644)
     store_security(out / "store", seen_at=Path("/etc/seaweedfs"))  # the s3 container's security.toml and TLS
+    key = out / "deployment-key.pem"  # the deployment's secrets key, made once: compose's deployment-key secret
+    if not key.exists():
+        from services.box.artifacts.sealing import generate_private_key, save_private_key
+
+        save_private_key(generate_private_key(), key)
     return made
 
 

@@ -1,6 +1,8 @@
 """``hostmove deployment init`` and ``hostmove app publish|list|show`` (issue 18).
 
-- ``hostmove deployment init [--secrets-key PEM]``: the deployment's key (the one given, or generated once under
+- ``hostmove deployment init [--region R ...] [--secrets-key PEM]``: the deployment bucket and each region's data
+  bucket, versioned and through the conformance probe (a store failing it is refused, issue 20 item 5); the
+  deployment's key (the one given, or generated once under
   ``<root>/deployment/``) and its protocol floor, published to the console create-only
   (:func:`services.box.deployment.init_deployment`). ``hostmove box init`` then takes that key or refuses.
 - ``hostmove app publish --name N manifest.toml``: the manifest as the app's next release, its secrets sealed to the
@@ -26,6 +28,8 @@ def add_parsers(sub: Any) -> None:
     dp_sub = dp.add_subparsers(dest="deployment_action", required=True)
     di = dp_sub.add_parser("init", help="hold the deployment's secrets key and publish it and the floor (once)")
     di.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: generated once")
+    di.add_argument("--region", action="append", default=[], metavar="R",
+                    help="a region whose data bucket to create (repeat for each region)")
     ap = sub.add_parser("app", help="publish and inspect app releases")
     ap_sub = ap.add_subparsers(dest="app_action", required=True)
     pub = ap_sub.add_parser("publish", help="publish a manifest as the app's next release")
@@ -38,10 +42,27 @@ def add_parsers(sub: Any) -> None:
 
 
 async def run_deployment(args: argparse.Namespace) -> int:
-    from services.box.deployment import init_deployment
+    """Create the deployment bucket and each ``--region``'s data bucket with versioning on, refuse a store that
+    fails the conformance probe (issue 20 item 5), then hold and publish the key and the floor. Idempotent."""
+    from services.agent.config import region_bucket
+    from services.box.deployment import init_deployment, prepare_buckets
     from services.box.roster import RosterRefusal
+    from services.objstore.s3 import S3Store
 
     settings = load_settings(Path(args.root))
+    buckets = [settings.bucket, *(region_bucket(r) for r in args.region)]
+    store = await S3Store.open(endpoint=settings.s3_endpoint, access_key=settings.s3_access_key,
+                               secret_key=settings.s3_secret_key, region=settings.s3_region)
+    try:
+        refused = await prepare_buckets(store, buckets)
+    finally:
+        await store.close()
+    if refused is not None:
+        print(f"deployment init refused: the object store at {settings.s3_endpoint} cannot hold this deployment: "
+              f"bucket {refused.bucket}: {refused.why}. Point HOSTMOVE_S3_ENDPOINT at a store with versioning and "
+              "conditional writes (AWS S3, MinIO, SeaweedFS)", file=sys.stderr)
+        return exitcodes.NONCONFORMING
+    print(f"buckets {', '.join(buckets)}: versioned, conformance probe passed")
     rt = await open_runtime(settings, "cli", probe=False)
     try:
         done = await init_deployment(root=settings.root, store=rt.store, bucket=settings.bucket, clock=rt.clock,

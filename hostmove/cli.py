@@ -8,6 +8,7 @@
     hostmove move --host H --to R      ask the door to move a host (also: move watch|status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
     hostmove host|box list|show, move list|history|show, alerts [-o json]   read everything (hostmove.read_cli)
+    hostmove login --door URL          store the door's URL and a token (also: logout; token create --role R)
 
 Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
 outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it
@@ -335,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hostmove import app_cli
 
     app_cli.add_parsers(sub)
+    from hostmove import ops_cli
+
+    ops_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
     from hostmove import rehearse
 
@@ -356,13 +360,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
-        from hostmove import app_cli, move_cli
+        from hostmove import app_cli, move_cli, ops_cli
 
         if getattr(args, "read", None) is not None:  # the read commands (hostmove.read_cli)
             return asyncio.run(args.read(args))
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
                   "host": _host, "move": move_cli.run, "app": app_cli.run_app,
-                  "deployment": _deployment}[args.command]
+                  "deployment": _deployment, "login": ops_cli.run, "logout": ops_cli.run,
+                  "token": ops_cli.run}[args.command]
         try:
             return asyncio.run(runner(args))
         except BaseException as exc:  # noqa: BLE001 - an outage is answered in the operator's words, never a trace

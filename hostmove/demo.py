@@ -30,7 +30,8 @@ from hostmove.runtime import Runtime, open_runtime, settings_from_stack
 from hostmove.stack import stack_up
 from projections.runner import Projector
 from projections.store import ChangesPage, ProjectionStore
-from services.box.deployment import init_deployment
+from services.agent.config import region_bucket
+from services.box.deployment import init_deployment, prepare_buckets
 from services.box.roster import Roster, init_box, read_roster
 from services.ledger.audit import run_audit
 
@@ -128,6 +129,12 @@ async def run(root: Path) -> int:
                  f"`hostmove --root {root} stack down && rm -rf {root}` (the default: `make stack-down && rm -rf "
                  ".hostmove`), then run the demo again")
             return exitcodes.FAILED
+        buckets = [rt.settings.bucket, *(region_bucket(region) for _, region, _ in choice.boxes)]
+        refused = await prepare_buckets(rt.store, buckets)  # what `hostmove deployment init --region` does
+        if refused is not None:
+            _say(f"   the object store cannot hold this deployment: bucket {refused.bucket}: {refused.why}")
+            return exitcodes.NONCONFORMING
+        _say(f"   buckets {', '.join(buckets)}: versioned, conformance probe passed")
         key = await init_deployment(root=root, store=rt.store, bucket=rt.settings.bucket, clock=rt.clock)
         _say(f"   the deployment's secrets key {key.key.fp[:19]}... and protocol floor {key.floor.min} are published")
         boxes = []

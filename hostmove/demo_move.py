@@ -96,8 +96,6 @@ async def move_demo(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, out:
     ok, why = CgroupTree.discover(ie.label, deployment=deployment, clock=rt.clock).strict_available()
     if not ok:
         return exitcodes.FAILED, f"this machine cannot spawn strictly ({why}); a box here refuses to take part in moves"
-    for box in (ie, uk):
-        await rt.store.create_bucket(region_bucket(box.region), versioned=True)
     token = rt.rng.token_bytes(32).hex()
     env = service_env(info, root=root, bucket=rt.settings.bucket, extra={
         "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"demo={token_digest(token)}"})

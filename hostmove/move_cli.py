@@ -99,17 +99,31 @@ def redact_url(url: str) -> str:
 
 
 def load_config(environ: Mapping[str, str]) -> DoorConfig:
-    """``HOSTMOVE_DOOR_URL`` and ``HOSTMOVE_TOKEN`` (§12: every move mutation needs an operator token)."""
-    url = environ.get(ENV_URL, "").strip() or DEFAULT_URL
+    """``HOSTMOVE_DOOR_URL`` and ``HOSTMOVE_TOKEN`` (§12: every move mutation needs an operator token), each over
+    the context ``hostmove login`` stored (:mod:`hostmove.context`, issue 20 item 4)."""
+    from hostmove.context import ContextError, read_context
+
+    try:
+        stored = read_context(environ)
+    except ContextError as exc:
+        raise ConfigProblem(str(exc)) from None
+    url = environ.get(ENV_URL, "").strip() or (stored.door_url if stored else "") or DEFAULT_URL
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigProblem(f"{ENV_URL} must be an http:// or https:// URL of the door, not {redact_url(url)!r}")
     if parts.username is not None or parts.password is not None:
         raise ConfigProblem(f"{ENV_URL} must not carry a user or password ({redact_url(url)!r}); "
                             f"the operator token goes in {ENV_TOKEN}")
-    token = environ.get(ENV_TOKEN, "")
+    # a stored token goes only to the door it was stored for: never to another URL the environment names
+    same_door = stored is not None and stored.door_url.rstrip("/") == url.rstrip("/")
+    token = environ.get(ENV_TOKEN, "") or (stored.token if stored is not None and same_door else "")
+    if stored is not None and token == stored.token:
+        from hostmove.logs import add_secret
+
+        add_secret(token)  # the environment does not name it: the log redaction is told (hostmove.logs)
     if not token:
-        raise ConfigProblem(f"set {ENV_TOKEN} to your operator token: the door answers nothing without one (§12)")
+        raise ConfigProblem(f"set {ENV_TOKEN} to your operator token, or run `hostmove login --door URL`: the door "
+                            "answers nothing without one (§12)")
     if any(ch.isspace() or not ch.isprintable() for ch in token):
         raise ConfigProblem(f"{ENV_TOKEN} holds a space, a newline or a control character, which a bearer token "
                             "cannot carry; set it to the token alone")

@@ -103,7 +103,8 @@ def _role_credentials(root: Path, role: str | None) -> Credentials | None:
 
 def load_settings(root: Path | None = None, *, role: str | None = None) -> Settings:
     """The settings of a process acting as ``role`` (:mod:`hostmove.access`; None: the operator's CLI)."""
-    root = Path(os.environ.get("HOSTMOVE_ROOT", root or DEFAULT_ROOT))
+    # absolute: a box hands paths under it to its instances, which run in a directory of their own
+    root = Path(os.environ.get("HOSTMOVE_ROOT", root or DEFAULT_ROOT)).absolute()
     bucket = os.environ.get("HOSTMOVE_BUCKET", DEFAULT_BUCKET)
     env = os.environ
     if env.get("HOSTMOVE_NATS_URL") and env.get("HOSTMOVE_S3_ENDPOINT"):

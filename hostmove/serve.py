@@ -21,6 +21,8 @@ objects, the projection's stored position), never memory.
   ``HOSTMOVE_IDLE_S`` overrides how long a serving instance may be idle before it sleeps (``never``: it does not).
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
+
+The door's and the projections' APIs bind ``HOSTMOVE_BIND`` (default 127.0.0.1; :func:`api_bind`).
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int, health: Heal
     app = make_app(store, clock=rt.clock, projector=projector, console=console)
     health.check("projection", lambda: readiness(store, rt.events, app[PROJECTOR_STATE], max_lag=max_lag))
     wake = await projector.wake_on(rt.events.nc)  # core NATS; nats-py subscribes it again after a reconnect
-    runner = await serve(app, port=port or 8080)
-    log.info("projections: read API on http://127.0.0.1:%d/ (OpenAPI at /openapi.json)", port or 8080,
+    runner = await serve(app, host=api_bind(), port=port or 8080)
+    log.info("projections: read API on http://%s:%d/ (OpenAPI at /openapi.json)", api_bind(), port or 8080,
              extra=ctx(port=port or 8080))
     try:
         await stop.wait()
@@ -163,6 +165,18 @@ async def _projections(rt: Runtime, stop: asyncio.Event, port: int, health: Heal
             await wake.unsubscribe()
         await runner.cleanup()
         store.close()
+
+
+BIND_ENV = "HOSTMOVE_BIND"
+DEFAULT_BIND = "127.0.0.1"
+
+
+def api_bind() -> str:
+    """The address the door's and the projections' HTTP APIs bind: ``HOSTMOVE_BIND`` (default 127.0.0.1, this
+    machine only; ``0.0.0.0`` in a container, issue 20 item 6)."""
+    import os
+
+    return os.environ.get(BIND_ENV, "").strip() or DEFAULT_BIND
 
 
 RECOVERY_INTERVAL_S = 5.0
@@ -196,8 +210,9 @@ async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
     from services.door.api import Door, serve_door
     from services.door.auth import load_tokens
 
-    runner = await serve_door(Door(rt.ledger, clock=rt.clock, rng=rt.rng), port or 8081, tokens=load_tokens())
-    log.info("door: operator API on http://127.0.0.1:%d/ (OpenAPI at /openapi.json)", port or 8081,
+    runner = await serve_door(Door(rt.ledger, clock=rt.clock, rng=rt.rng), port or 8081, tokens=load_tokens(),
+                              host=api_bind())
+    log.info("door: operator API on http://%s:%d/ (OpenAPI at /openapi.json)", api_bind(), port or 8081,
              extra=ctx(port=port or 8081))
     try:
         await stop.wait()

