@@ -63,6 +63,12 @@ LONG_FIRST = (
     "tests/test_source_readiness.py",
     "tests/test_deployments.py",
     "tests/test_sim_rates.py",
+    "tests/test_readme.py",
+    "tests/test_deployment_init.py",
+    "examples/test_platform.py",
+    "tests/test_login.py",
+    "tests/test_dashboard_browser.py",
+    "tests/test_console.py",
 )
 """The longest tests (measured), in the order a parallel run starts them: under pytest-xdist (``make test`` runs
 ``-n 4 --maxschedchunk 1``) each worker begins with one of them and the short tests fill the gaps, so the run ends
