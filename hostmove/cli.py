@@ -1,7 +1,7 @@
 """``hostmove``: the operator's command line.
 
     hostmove stack up|down|status      the embedded stack (NATS JetStream + SeaweedFS) under .hostmove/
-    hostmove serve <service>           run a service (relay, projections, door, recovery, box --label L)
+    hostmove serve <service>           run a service (relay, projections, door, recovery, box --box L)
     hostmove audit [--host H]          replay the ledger stream and check it against S3
     hostmove probe                     run the object-store conformance probe
     hostmove demo                      the main job on the embedded default
@@ -129,7 +129,7 @@ async def _box(args: argparse.Namespace) -> int:
 
 
 async def _box_wake(args: argparse.Namespace) -> int:
-    """``hostmove box wake HOST --label L``: what the box's router does for a request to a sleeping host (ask the
+    """``hostmove box wake HOST --box L``: what the box's router does for a request to a sleeping host (ask the
     box's agent, then wait for the instance in the box's edge table); for an operator, the same by hand."""
     import time
 
@@ -145,7 +145,7 @@ async def _box_wake(args: argparse.Namespace) -> int:
             reply = await rt.events.nc.request(box_wake_subject(args.label), args.host.encode(), timeout=5.0)
         except Exception as exc:  # noqa: BLE001 - the operator's words: which box did not answer, and why
             print(f"{args.host} was not woken: box {args.label}'s agent did not answer ({type(exc).__name__}); "
-                  "is `hostmove serve box --label` running?", file=sys.stderr)
+                  "is `hostmove serve box --box` running?", file=sys.stderr)
             return exitcodes.UNAVAILABLE
     finally:
         await rt.close()
@@ -170,7 +170,7 @@ async def _box_wake(args: argparse.Namespace) -> int:
 
 
 async def _box_fence(args: argparse.Namespace) -> int:
-    """``hostmove box fence --label L --terminated``: kill every process of the box (its cgroup subtree on this
+    """``hostmove box fence --box L --terminated``: kill every process of the box (its cgroup subtree on this
     machine), record its fence and mark it in the roster; the recovery service relocates its hosts."""
     from services.box.fence import FenceRefused, cgroup_fence, fence_box
     from services.box.roster import RosterRefusal, ensure_deployment
@@ -304,23 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run a service")
     sv.add_argument("service", choices=SERVICES)
     sv.add_argument("--port", type=int, default=0, help="HTTP port for services that serve one")
-    sv.add_argument("--label", default="", help="the box an agent acts for (serve box)")
+    sv.add_argument("--box", "--label", dest="label", default="", help="the box an agent acts for (serve box)")
     sv.add_argument("--health-port", type=int, default=None,
                     help="the /livez and /readyz port (default HOSTMOVE_HEALTH_PORT, else a free port, logged)")
     sub.add_parser("probe", help="run the object-store conformance probe")
     bx = sub.add_parser("box", help="set up a box")
     bx_sub = bx.add_subparsers(dest="box_action", required=True)
     bi = bx_sub.add_parser("init", help="create the box directory, hold the secrets key, join the roster")
-    bi.add_argument("--label", required=True)
+    bi.add_argument("--box", "--label", dest="label", required=True, help="the box's label")
     bi.add_argument("--region", required=True)
     bi.add_argument("--secrets-key", help="the deployment's P-256 key (PEM, mode 0600); default: the one "
                     "`hostmove deployment init` holds here; any other key is refused")
     bf = bx_sub.add_parser("fence", help="a box is gone for good: kill it, fence it, relocate its hosts")
-    bf.add_argument("--label", required=True)
+    bf.add_argument("--box", "--label", dest="label", required=True, help="the box's label")
     bf.add_argument("--terminated", action="store_true", help="confirm: the box never comes back")
     bw = bx_sub.add_parser("wake", help="wake a sleeping host on its box (what the box's router does on a request)")
     bw.add_argument("host")
-    bw.add_argument("--label", required=True, help="the box that serves the host")
+    bw.add_argument("--box", "--label", dest="label", required=True, help="the box that serves the host")
     bw.add_argument("--wait", type=float, default=60.0, help="seconds to wait for it to serve (default 60)")
     from hostmove import move_cli
 

@@ -353,7 +353,7 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
             log.error("hostmove serve projections: %s", exc, extra=ctx(reason=exc))
             return 2
     if service == "box" and not label:
-        log.error("hostmove serve box: name the box with --label")
+        log.error("hostmove serve box: name the box with --box")
         return 2
     try:
         bind, hport = health_address(health_port)
