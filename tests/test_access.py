@@ -158,11 +158,26 @@ def _new_seed() -> str:
     return new_nkey_seed()
 
 
-async def test_a_status_reader_publishes_nothing_and_reads_the_ledger(stack: StackInfo,
-                                                                     deployment: Deployment) -> None:
+@pytest_asyncio.fixture(loop_scope="session")
+async def forged(stack: StackInfo) -> AsyncIterator[list[int]]:
+    """The ledger-stream sequences of the undecodable messages a test publishes: deleted when it ends, so a
+    projector started later in the session (serve projections, the dashboard) does not halt on them (a poison
+    message halts a projection by design, never a silent skip)."""
+    seqs: list[int] = []
+    yield seqs
+    admin = await NatsEventLog.connect(stack.nats_url)
+    try:
+        for seq in seqs:
+            await admin.js.delete_msg(LEDGER_STREAM, seq)
+    finally:
+        await admin.close()
+
+
+async def test_a_status_reader_publishes_nothing_and_reads_the_ledger(stack: StackInfo, deployment: Deployment,
+                                                                     forged: list[int]) -> None:
     admin = await NatsEventLog.connect(stack.nats_url)
     host = f"forge-{deployment.prefix}"
-    await admin.publish(LEDGER_STREAM, ledger_subject("claim", host), b'{"gen": 1}')
+    forged.append((await admin.publish(LEDGER_STREAM, ledger_subject("claim", host), b'{"gen": 1}')).seq)
     reader = await Conn.open(stack, deployment.creds[PROJECTIONS])
     try:
         for subject in (ledger_subject("claim", host), ledger_subject("record", host), fact_subject("evidence", host),
@@ -191,8 +206,8 @@ async def test_a_status_reader_publishes_nothing_and_reads_the_ledger(stack: Sta
         await admin.close()
 
 
-async def test_a_box_takes_its_own_wakes_and_writes_only_what_a_box_writes(stack: StackInfo,
-                                                                           deployment: Deployment) -> None:
+async def test_a_box_takes_its_own_wakes_and_writes_only_what_a_box_writes(stack: StackInfo, deployment: Deployment,
+                                                                           forged: list[int]) -> None:
     ie, uk = deployment.labels["ie"], deployment.labels["uk"]
     box = await Conn.open(stack, deployment.box("ie"))
     admin = await NatsEventLog.connect(stack.nats_url)
@@ -215,7 +230,7 @@ async def test_a_box_takes_its_own_wakes_and_writes_only_what_a_box_writes(stack
     events = await NatsEventLog.connect(stack.nats_url, credentials=deployment.box("ie"))
     try:
         host = f"any-{deployment.prefix}"
-        await events.publish(LEDGER_STREAM, ledger_subject("claim", host), b'{"gen": 1}')
+        forged.append((await events.publish(LEDGER_STREAM, ledger_subject("claim", host), b'{"gen": 1}')).seq)
         await events.publish(FACTS_STREAM, fact_subject("evidence", host), b"{}")
         assert await _stored(admin, LEDGER_STREAM, ledger_subject("claim", host)) == b'{"gen": 1}'
     finally:

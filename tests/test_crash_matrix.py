@@ -110,8 +110,9 @@ def test_the_clean_run_reaches_the_failpoints(clean_points: dict[str, list[tuple
     uk = {p for p, _ in clean_points["uk"]}
     for transition in ("record:cut-admit", "record:cut-flip"):
         assert {f"before_cas:{transition}", f"after_cas:{transition}"} <= ie, (transition, sorted(ie))
-    # the flip's claim half is written by whichever participant reads the record first (§7.5)
-    assert {"before_cas:claim:move-follow", "after_cas:claim:move-follow"} <= ie | uk, sorted(ie | uk)
+    # the flip's claim half is written by whichever participant reads the record first (§7.5); on a loaded machine a
+    # participant's CAS can lose to a write of the same half under another step, and its retry meets no change
+    assert "before_cas:claim:move-follow" in ie | uk, sorted(ie | uk)
     assert {"before_cas:record:commit", "after_cas:record:opened"} <= uk, sorted(uk)
     for phase in ("checking", "parking", "building", "local", "probing"):
         assert f"before_effects:{phase}" in uk and f"after_effects:{phase}" in uk, (phase, sorted(uk))
