@@ -66,6 +66,7 @@ def demo(root: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.timeout(900)  # three demos, each with its own stack: about 3 minutes alone, far longer on a loaded machine
 def test_the_demo_runs_twice_and_beside_another_box(tmp_path: Path) -> None:
     root = tmp_path / "hm"
     try:

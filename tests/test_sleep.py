@@ -61,7 +61,7 @@ async def served(w: AgentWorld, host: str, newer_than: int | None = None) -> int
         port = read_endpoint(w.box_dir("ie"), host, newer_than=newer_than)
         return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
 
-    return await eventually(check, f"{host} served on {w.labels['ie']}", 30)
+    return await eventually(check, f"{host} served on {w.labels['ie']}", 60)  # a cold wake on a loaded machine
 
 
 async def asleep(w: AgentWorld, host: str, port: int) -> None:
