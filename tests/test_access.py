@@ -4,6 +4,7 @@ permissions, a store whose only door is its signed S3 port, and a scoped S3 iden
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -45,7 +46,7 @@ from hostmove.stack import stack_status
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import Credentials, CredentialsError, load_credentials, role_file
 from kernel.ports import WallClock
-from services.box.roster import ROSTER_KEY, init_box
+from services.box.roster import ROSTER_KEY, box_entry_key, init_box, read_roster
 from services.objstore.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,6 +337,29 @@ def test_every_port_of_the_store_but_s3_refuses_an_unsigned_request(stack: Stack
         unsigned.put_object(Bucket=deployment.bucket, Key="planted", Body=b"x")
 
 
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on TCP ``port`` (``/proc/net/tcp`` and ``tcp6``, state 0A)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hexport = local.rsplit(":", 1)
+                if state == "0A" and int(hexport, 16) == port:
+                    out.add(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]) if len(address) == 8
+                            else address)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("HOSTMOVE_TEST_CONTAINERS") == "1", reason="the embedded stack's ports")
+def test_the_nats_monitoring_port_listens_on_loopback_only(stack: StackInfo) -> None:
+    """Issue 14 (the monitoring port): NATS's monitor has no authentication of its own (``/connz`` names every
+    connection and its subscriptions), so the embedded stack binds it to loopback only, as its client port."""
+    port = int(stack.nats_monitor_url.rsplit(":", 1)[1])
+    assert _listeners(port) == {"127.0.0.1"}
+    assert _listeners(int(stack.nats_url.rsplit(":", 1)[1])) == {"127.0.0.1"}
+
+
 def test_behind_the_tls_the_filer_still_wants_a_signed_token(stack: StackInfo, deployment: Deployment) -> None:
     """Defence in depth: even with the store's own client certificate, the filer serves no read without a JWT."""
     tls = Path(stack.root) / "s3" / "tls"
@@ -372,6 +396,9 @@ def test_a_box_identity_writes_only_where_a_box_may(stack: StackInfo, deployment
     uk = deployment.labels["uk"]
     refused = {
         "the roster": lambda: s3.put_object(Bucket=d, Key=ROSTER_KEY, Body=b"{}"),
+        "another box's roster entry": lambda: s3.put_object(Bucket=d, Key=box_entry_key(uk), Body=b"{}"),
+        "a deletion of its own roster entry": lambda: s3.delete_object(Bucket=d,
+                                                                       Key=box_entry_key(deployment.labels["ie"])),
         "another box's fence": lambda: s3.put_object(Bucket=d, Key=f"control/box-fences/{uk}.json", Body=b"{}"),
         "the deployment's key": lambda: s3.put_object(Bucket=d, Key="control/secrets-key.json", Body=b"{}"),
         "the floor": lambda: s3.put_object(Bucket=d, Key="control/moves-protocol.json", Body=b"{}"),
@@ -393,13 +420,33 @@ def test_a_box_identity_writes_only_where_a_box_may(stack: StackInfo, deployment
     s3.delete_object(Bucket=other, Key="moves/h1/op/x")
     s3.list_objects_v2(Bucket=other, Prefix="moves/")  # ... and the prefix-conditioned List
     s3.put_object(Bucket=d, Key="control/staging-leases/uk/h1.json", Body=b"{}")
-    s3.get_object(Bucket=d, Key=ROSTER_KEY)
+    s3.get_object(Bucket=d, Key=box_entry_key(uk))  # it reads the roster, every box's entry included
     # What a key prefix cannot say: a claim is the host's, not a box's (module doc of hostmove.access).
     s3.put_object(Bucket=d, Key="control/hosts/h1.json", Body=b"{}")
     iam = boto3.session.Session().client("iam", endpoint_url=stack.s3_endpoint, region_name=stack.s3_region,
                                          aws_access_key_id=deployment.box("ie").s3_access_key,
                                          aws_secret_access_key=deployment.box("ie").s3_secret_key)
     assert _denied(lambda: iam.create_user(UserName="escalated"))  # a box cannot mint itself an identity
+
+
+async def test_a_box_registers_itself_with_its_own_identity(stack: StackInfo, deployment: Deployment,
+                                                            tmp_path: Path) -> None:
+    """``hostmove box init`` as the box's role (compose): its own roster entry is the one object it writes."""
+    creds = deployment.box("ie")
+    store = await S3Store.open(stack.s3_endpoint, creds.s3_access_key, creds.s3_secret_key, stack.s3_region)
+    events = await NatsEventLog.connect(stack.nats_url)
+    label = deployment.labels["ie"]
+    try:
+        init = await init_box(root=deployment.root, label=label, region="ie", store=store, bucket=deployment.bucket,
+                              events=events, clock=WallClock(), actor=Actor(service="box-init", pid=1, nonce="b"),
+                              announce=False)
+        assert init.roster_gen >= 2  # the fixture's registration, then this one
+        roster, _ = await read_roster(store, deployment.bucket)
+        entry = roster.box(label) if roster is not None else None
+        assert entry is not None and entry.region == "ie" and entry.fenced_at is None
+    finally:
+        await events.close()
+        await store.close()
 
 
 def test_the_read_only_and_console_identities(stack: StackInfo, deployment: Deployment) -> None:
