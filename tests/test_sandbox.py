@@ -19,7 +19,9 @@ import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
 from events.ids import new_incarnation
+from hostmove.access import box_role, credentials_dir
 from hostmove.stackinfo import StackInfo
+from kernel.credentials import role_file
 from kernel.ports import SystemRandom, WallClock
 from services.agent.service import read_endpoint
 from services.box.instance.sandbox import (
@@ -147,6 +149,7 @@ def _one_instance_cannot_reach_the_other(w: AgentWorld, region: str, me: str, ui
         "the box's key file": f"open({str(box_key)!r}, 'rb')",
         "the deployment's key": f"open({str(deployment_key_path(w.root))!r}, 'rb')",
         "the box's table of users": f"open({str(users)!r}, 'rb')",
+        "the box agent's credentials": f"open({str(role_file(credentials_dir(w.root), box_role(w.labels[region])))!r})",
         "a listing of the data directory": f"import os; os.listdir({str(data)!r})",
         "a listing of the instances": f"import os; os.listdir({str(data / 'instances')!r})",
         "a listing of the box": f"import os; os.listdir({str(w.box_dir(region))!r})",
@@ -157,6 +160,7 @@ def _one_instance_cannot_reach_the_other(w: AgentWorld, region: str, me: str, ui
     assert st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700, f"{mine} is {me}'s own, 0700"
     assert (mine / f"{me}.db").stat().st_uid == uid
     assert stat.S_IMODE(data.stat().st_mode) == 0o711 and data.stat().st_uid == 0
+    assert role_file(credentials_dir(w.root), box_role(w.labels[region])).is_file(), "the agent's own credentials"
 
 
 async def test_each_instance_runs_as_its_own_user_and_a_move_lands_it_under_one_of_its_own(
