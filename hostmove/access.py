@@ -34,9 +34,8 @@ publish (nats-server issue 8274, open on 2.15): it cannot forge a body, and the 
 (``examples/iam/``) and for SeaweedFS's embedded IAM (which evaluates resource ARNs with key prefixes and the
 ``s3:prefix`` condition, shown by ``tests/test_access.py``). A box may write its own region's data bucket, in every
 other region's bucket only ``moves/*`` (Put and Delete, List conditioned on the ``moves/`` prefix: M17's grant,
-read as written), and in the deployment bucket only the claims, records, staging leases, bad-object markers and
-its own roster entry (``control/boxes/<label>.json``, Put only: :mod:`services.box.roster`); never ``roster.json``,
-another box's entry, the fences, the deployment's key, floor or identity, nor an app release. What a key prefix cannot
+read as written), and in the deployment bucket only the claims, records, staging leases and bad-object markers;
+never the roster, the fences, the deployment's key, floor or identity, nor an app release. What a key prefix cannot
 say: a claim (``control/hosts/<host>.json``) is the host's, not a box's, so a box can CAS any host's claim; the
 claim's content (``op.exec``) is what names the box, and the ledger is what checks it.
 """
@@ -69,7 +68,6 @@ from bus.subjects import (
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import Credentials, load_credentials, role_file, save_credentials
 from kernel.fsutil import atomic_write
-from services.box.roster import box_entry_key
 
 ADMIN = "admin"
 CONSOLE = "console"
@@ -360,10 +358,8 @@ def s3_policy(role: str, *, deployment_bucket: str, data_prefix: str = DEFAULT_D
             raise AccessError(f"{role}: a box's policy needs its region")
         own = f"{data_prefix}-{region}"
         every = f"{data_prefix}-*"
-        label = role[len(BOX_ROLE_PREFIX):]
         statements = [*read_deployment,
                       _statement("DeploymentWrite", OBJECT_WRITE, [_arn(f"{d}/{p}*") for p in BOX_WRITES]),
-                      _statement("OwnRosterEntry", ["s3:PutObject"], [_arn(f"{d}/{box_entry_key(label)}")]),
                       _statement("OwnRegion", [*OBJECT_READ, *OBJECT_WRITE], [_arn(f"{own}/*")]),
                       _statement("OwnRegionList", BUCKET_LIST, [_arn(own)]),
                       _statement("ReturnLane", ["s3:PutObject", "s3:DeleteObject"], [_arn(f"{every}/{LANE}*")]),

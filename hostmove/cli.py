@@ -110,7 +110,6 @@ async def _box(args: argparse.Namespace) -> int:
             root=settings.root, label=args.label, region=args.region, store=rt.store, bucket=settings.bucket,
             events=rt.events, clock=rt.clock, actor=rt.actor,
             secrets_key=Path(args.secrets_key) if args.secrets_key else None, expect_fp=published.fp,
-            announce=not (settings.credentials and settings.credentials.role.startswith("box-")),  # issue 14
         )
     except RosterRefusal as exc:
         print(f"box init refused: {exc}", file=sys.stderr)

@@ -43,7 +43,7 @@ from events.envelope import Transition
 from events.record import Record
 from services.box.artifacts.markers import GenerationMarker, normalize
 from services.box.instance.admission import REFUSED_KINDS
-from services.box.roster import BOXES_PREFIX, ROSTER_KEY, BoxRegistration, Roster
+from services.box.roster import ROSTER_KEY, Roster
 from services.ledger.audit import HistoryCheck
 from services.ledger.ledger import META_SHA
 from sim.twins.s3 import Landed
@@ -124,12 +124,6 @@ class Checker:
                     decode(w.body, Roster)
                 except DurableValueError as exc:
                     self.flag("durable-boundary", f"the roster written by {w.request.principal} fails it: {exc}")
-            elif w.key.startswith(BOXES_PREFIX) and w.body is not None:
-                try:
-                    decode(w.body, BoxRegistration)
-                except DurableValueError as exc:
-                    self.flag("durable-boundary", f"the roster entry {w.key} written by {w.request.principal} "
-                              f"fails it: {exc}")
         elif w.key.endswith("/generation.json") and w.body is not None:
             self._marker(w)
         elif w.key.endswith("/generation.json") and w.removed_version:

@@ -46,7 +46,7 @@ from hostmove.stack import stack_status
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import Credentials, CredentialsError, load_credentials, role_file
 from kernel.ports import WallClock
-from services.box.roster import ROSTER_KEY, box_entry_key, init_box, read_roster
+from services.box.roster import ROSTER_KEY, init_box
 from services.objstore.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -396,9 +396,6 @@ def test_a_box_identity_writes_only_where_a_box_may(stack: StackInfo, deployment
     uk = deployment.labels["uk"]
     refused = {
         "the roster": lambda: s3.put_object(Bucket=d, Key=ROSTER_KEY, Body=b"{}"),
-        "another box's roster entry": lambda: s3.put_object(Bucket=d, Key=box_entry_key(uk), Body=b"{}"),
-        "a deletion of its own roster entry": lambda: s3.delete_object(Bucket=d,
-                                                                       Key=box_entry_key(deployment.labels["ie"])),
         "another box's fence": lambda: s3.put_object(Bucket=d, Key=f"control/box-fences/{uk}.json", Body=b"{}"),
         "the deployment's key": lambda: s3.put_object(Bucket=d, Key="control/secrets-key.json", Body=b"{}"),
         "the floor": lambda: s3.put_object(Bucket=d, Key="control/moves-protocol.json", Body=b"{}"),
@@ -420,33 +417,13 @@ def test_a_box_identity_writes_only_where_a_box_may(stack: StackInfo, deployment
     s3.delete_object(Bucket=other, Key="moves/h1/op/x")
     s3.list_objects_v2(Bucket=other, Prefix="moves/")  # ... and the prefix-conditioned List
     s3.put_object(Bucket=d, Key="control/staging-leases/uk/h1.json", Body=b"{}")
-    s3.get_object(Bucket=d, Key=box_entry_key(uk))  # it reads the roster, every box's entry included
+    s3.get_object(Bucket=d, Key=ROSTER_KEY)
     # What a key prefix cannot say: a claim is the host's, not a box's (module doc of hostmove.access).
     s3.put_object(Bucket=d, Key="control/hosts/h1.json", Body=b"{}")
     iam = boto3.session.Session().client("iam", endpoint_url=stack.s3_endpoint, region_name=stack.s3_region,
                                          aws_access_key_id=deployment.box("ie").s3_access_key,
                                          aws_secret_access_key=deployment.box("ie").s3_secret_key)
     assert _denied(lambda: iam.create_user(UserName="escalated"))  # a box cannot mint itself an identity
-
-
-async def test_a_box_registers_itself_with_its_own_identity(stack: StackInfo, deployment: Deployment,
-                                                            tmp_path: Path) -> None:
-    """``hostmove box init`` as the box's role (compose): its own roster entry is the one object it writes."""
-    creds = deployment.box("ie")
-    store = await S3Store.open(stack.s3_endpoint, creds.s3_access_key, creds.s3_secret_key, stack.s3_region)
-    events = await NatsEventLog.connect(stack.nats_url)
-    label = deployment.labels["ie"]
-    try:
-        init = await init_box(root=deployment.root, label=label, region="ie", store=store, bucket=deployment.bucket,
-                              events=events, clock=WallClock(), actor=Actor(service="box-init", pid=1, nonce="b"),
-                              announce=False)
-        assert init.roster_gen >= 2  # the fixture's registration, then this one
-        roster, _ = await read_roster(store, deployment.bucket)
-        entry = roster.box(label) if roster is not None else None
-        assert entry is not None and entry.region == "ie" and entry.fenced_at is None
-    finally:
-        await events.close()
-        await store.close()
 
 
 def test_the_read_only_and_console_identities(stack: StackInfo, deployment: Deployment) -> None:

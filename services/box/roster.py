@@ -3,15 +3,7 @@
 ``control/roster.json`` in the deployment bucket lists every box: label, region, ``moves_protocol``
 (§11: every box publishes ``moves_protocol: 1``) and ``secrets_key_fp`` (§10). It is rewritten whole
 by compare-and-swap (If-Match, or If-None-Match to create), with a ``gen`` per write so identical
-bytes never reproduce an old ETag, by the operator's roles only (the fence, an embedded composition).
-
-A box registers itself in an object of its own, ``control/boxes/<label>.json`` (:class:`BoxRegistration`, CASed
-the same way), the one object of the roster its S3 identity may write (spec §0.1 M17, issue 14: a box never
-writes the roster, another box's entry or a fence). Every reader reads both (:func:`read_roster`): an entry of
-``roster.json`` that is fenced stands whatever the box's own object says (a box never unfences itself), a box's
-object never changes the region ``roster.json`` records, and an object that names another box, or fails decoding
-or its size bound, is skipped for that box only. Each registration is also a ``roster`` fact on the stream, from
-the roles that may publish one (the box role may not: its object is its record).
+bytes never reproduce an old ETag. Each registration is also a ``roster`` fact on the stream.
 
 ``init_box`` creates the box's directory (``<root>/boxes/<label>/``), holds the deployment's P-256
 secrets key there with owner-only permissions, and registers the box.
@@ -27,7 +19,6 @@ name a box ``ie-1`` on one machine never see, kill or share each other's process
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,14 +45,10 @@ from services.box.artifacts.sealing import (
 from services.objstore.port import Got, Lost, ObjectStore
 
 ROSTER_KEY = "control/roster.json"
-BOXES_PREFIX = "control/boxes/"
-MAX_ENTRY_BYTES = 64 * 1024
-"""A box's own roster object is a few hundred bytes; anything larger is skipped before it is decoded."""
 DEPLOYMENT_KEY = "control/deployment.json"
 DEPLOYMENT_SECRETS_KEY = "control/secrets-key.json"
 MOVES_PROTOCOL = 1
 _DEPLOYMENT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-log = logging.getLogger("hostmove.roster")
 
 
 class RosterBox(Durable, frozen=True):
@@ -93,23 +80,6 @@ class Roster(Durable, frozen=True):
     def live_in_region(self, region: str) -> list[RosterBox]:
         """The region's boxes that are not fenced (the ones an operation may choose)."""
         return [b for b in self.in_region(region) if b.fenced_at is None]
-
-
-class BoxRegistration(Durable, frozen=True):
-    """``control/boxes/<label>.json``: a box's own entry in the roster, the one the box's identity writes."""
-
-    __durable_root__: ClassVar[bool] = True
-
-    gen: int
-    box: RosterBox
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_gen(self.gen, "BoxRegistration.gen")
-
-
-def box_entry_key(label: str) -> str:
-    return f"{BOXES_PREFIX}{label}.json"
 
 
 class RosterRefusal(Exception):
@@ -181,73 +151,18 @@ def decide_register(current: Roster | None, entry: RosterBox) -> Roster:
     return Roster(gen=(current.gen + 1) if current else 1, boxes=tuple(boxes))
 
 
-async def _read_roster_object(store: ObjectStore, bucket: str) -> tuple[Roster | None, str | None]:
+async def read_roster(store: ObjectStore, bucket: str) -> tuple[Roster | None, str | None]:
+    """The roster and its ETag. A corrupt roster raises ``DurableValueError`` (C6)."""
     got = await store.get(bucket, ROSTER_KEY)
     if not isinstance(got, Got):
         return None, None
     return decode(got.body, Roster), got.etag
 
 
-async def _read_registration(store: ObjectStore, bucket: str, label: str,
-                             ) -> tuple[BoxRegistration | None, str | None]:
-    """A box's own object and its ETag; one that is too large, fails decoding or names another box raises."""
-    key = box_entry_key(label)
-    got = await store.get(bucket, key)
-    if not isinstance(got, Got):
-        return None, None
-    if len(got.body) > MAX_ENTRY_BYTES:  # before anything decodes it
-        raise DurableValueError("decode_failed", "max_bytes", f"{key} is {len(got.body)} bytes; at most "
-                                f"{MAX_ENTRY_BYTES}", "BoxRegistration")
-    reg = decode(got.body, BoxRegistration)
-    if reg.box.label != label:
-        raise DurableValueError("invalid_value", "box_label", f"{key} names the box {reg.box.label}",
-                                "BoxRegistration.box.label")
-    return reg, got.etag
-
-
-def merge_roster(listed: Roster | None, own: list[RosterBox]) -> Roster | None:
-    """The roster every reader sees: ``roster.json``'s entries and the boxes' own (pure). A fenced entry stands, a
-    box's own entry never changes its recorded region, and otherwise the later registration wins."""
-    boxes = {b.label: b for b in listed.boxes} if listed else {}
-    for entry in own:
-        known = boxes.get(entry.label)
-        if known is None:
-            boxes[entry.label] = msgspec.structs.replace(entry, fenced_at=None)
-        elif known.fenced_at is None and known.region == entry.region and entry.registered_at >= known.registered_at:
-            boxes[entry.label] = msgspec.structs.replace(entry, fenced_at=None)
-    if listed is None and not boxes:
-        return None
-    return Roster(gen=listed.gen if listed else 1, boxes=tuple(sorted(boxes.values(), key=lambda b: b.label)))
-
-
-async def _own_entries(store: ObjectStore, bucket: str) -> list[RosterBox]:
-    out = []
-    for key in await store.list_keys(bucket, BOXES_PREFIX):
-        label = key[len(BOXES_PREFIX):].removesuffix(".json")
-        if not key.endswith(".json") or "/" in label:
-            continue
-        try:
-            reg, _ = await _read_registration(store, bucket, label)
-        except DurableValueError as exc:
-            log.error("the roster skips box %s: its entry %s cannot be used (%s)", label, key, exc)
-            continue
-        if reg is not None:
-            out.append(reg.box)
-    return out
-
-
-async def read_roster(store: ObjectStore, bucket: str) -> tuple[Roster | None, str | None]:
-    """The roster (``roster.json`` and every box's own object, :func:`merge_roster`) and ``roster.json``'s ETag. A
-    corrupt ``roster.json`` raises ``DurableValueError`` (C6); a box's unusable object skips that box only."""
-    listed, etag = await _read_roster_object(store, bucket)
-    return merge_roster(listed, await _own_entries(store, bucket)), etag
-
-
 async def update_roster(
     store: ObjectStore, bucket: str, decide: Callable[[Roster | None], Roster], attempts: int = 5
 ) -> Roster:
-    """Read, decide, CAS ``roster.json`` (the operator's roles); ``decide`` sees the whole roster, boxes' own
-    entries included, so a fence can mark a box that registered itself. A lost CAS re-reads and decides again."""
+    """Read, decide, CAS; a lost CAS re-reads and decides again."""
     for _ in range(attempts):
         current, etag = await read_roster(store, bucket)
         new = decide(current)
@@ -341,15 +256,13 @@ async def init_box(
     actor: Actor,
     secrets_key: Path | None = None,
     expect_fp: str | None = None,
-    announce: bool = True,
 ) -> BoxInit:
     """Create the box directory, hold the secrets key (0600) and register the box in the roster.
 
     With ``expect_fp`` (``hostmove box init``: the fingerprint the console published, :func:`read_deployment_key`)
     the key must be the deployment's: a missing key is never generated and another key is refused; a box that held
     another key is given the deployment's. Without it (an embedded composition), the deployment key under
-    ``root`` is used, generated once. The box registers in its own object (:func:`register_box`); ``announce``
-    publishes the ``roster`` fact too (a box's own identity may not publish one)."""
+    ``root`` is used, generated once."""
     validate_ident(label, "box label")
     validate_ident(region, "region")
     if "/" in label or label.startswith("."):
@@ -374,38 +287,16 @@ async def init_box(
     entry = RosterBox(
         label=label, region=region, moves_protocol=MOVES_PROTOCOL, secrets_key_fp=fp, registered_at=clock.now_ms()
     )
-    gen = await register_box(store, bucket, entry)
-    if announce:
-        await publish_fact(
-            events,
-            Fact(
-                kind="roster",
-                subject=label,
-                id=f"{label}:{gen}",
-                actor=actor,
-                at=clock.now_ms(),
-                payload=msgspec.to_builtins(entry),
-            ),
-        )
-    return BoxInit(label=label, region=region, box_dir=box_dir, secrets_key_fp=fp, roster_gen=gen)
-
-
-async def register_box(store: ObjectStore, bucket: str, entry: RosterBox, attempts: int = 5) -> int:
-    """Write ``entry`` into the box's own object (CAS), checked against the whole roster by
-    :func:`decide_register` (a fenced box never registers again, a box never changes region); answers the object's
-    new ``gen``."""
-    key = box_entry_key(entry.label)
-    for _ in range(attempts):
-        current, _etag = await read_roster(store, bucket)
-        decide_register(current, entry)
-        try:
-            own, etag = await _read_registration(store, bucket, entry.label)
-        except DurableValueError:  # the box's own unusable object: its registration replaces it
-            head = await store.head(bucket, key)
-            own, etag = None, head.etag if isinstance(head, Got) else None
-        gen = own.gen + 1 if own is not None else 1
-        result = await store.put(bucket, key, canonical(BoxRegistration(gen=gen, box=entry)), if_match=etag,
-                                 if_none_match=etag is None)
-        if not isinstance(result, Lost):
-            return gen
-    raise RosterRefusal("the box's roster entry kept changing under this registration; try again")
+    roster = await update_roster(store, bucket, lambda cur: decide_register(cur, entry))
+    await publish_fact(
+        events,
+        Fact(
+            kind="roster",
+            subject=label,
+            id=f"{label}:{roster.gen}",
+            actor=actor,
+            at=clock.now_ms(),
+            payload=msgspec.to_builtins(entry),
+        ),
+    )
+    return BoxInit(label=label, region=region, box_dir=box_dir, secrets_key_fp=fp, roster_gen=roster.gen)
