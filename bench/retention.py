@@ -45,6 +45,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import Ack, RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.sleep import SleepMarks
 from services.door.api import Door
 from services.door.auth import Identity
@@ -191,7 +192,7 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
         value = base64.b64encode(os.urandom(VALUE_BYTES * 3 // 4)).decode()  # incompressible for zstd
         await asyncio.to_thread(post_write, port, value, timeout_s=30)
     await asleep(w, here, host)
-    db_size = db_bytes(w.box_dir(here) / "data" / f"{host}.db")
+    db_size = db_bytes(instance_dir(w.box_dir(here) / "data", host) / f"{host}.db")
     await settled(w, host)
     base_claim, base_records = await claim_size(w, host)
     base_bytes, _ = await host_bytes(w, host)
@@ -224,7 +225,7 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
     end_claim, end_records = await claim_size(w, host)
     logs = sorted(p for p in (w.root / "acks").glob(f"{host}*.jsonl") if not p.name.endswith(".worker.jsonl"))
     acks: list[Ack] = [a for log in logs for a in read_acks(log) if isinstance(a, RowAck)]
-    missing = missing_from_db(w.box_dir(here) / "data" / f"{host}.db", acks) if acks else []
+    missing = missing_from_db(instance_dir(w.box_dir(here) / "data", host) / f"{host}.db", acks) if acks else []
     print(f"\n{wakes} wakes and {moved} moves in {time.monotonic() - t0:.0f} s")
     print(f"host bytes: end {end_bytes / MIB:.1f} MiB = {end_bytes / db_size:.2f}x the database "
           f"(baseline after the first wake {base_bytes / db_size:.2f}x, peak sampled {peak / db_size:.2f}x)")

@@ -38,6 +38,7 @@ from services.agent.config import region_bucket
 from services.agent.service import read_endpoint
 from services.apps.releases import load_manifest, publish
 from services.box.instance.proctree import CgroupTree
+from services.box.instance.sandbox import instance_dir
 from services.box.roster import BoxInit, ensure_deployment
 from services.door.auth import token_digest
 
@@ -151,7 +152,10 @@ async def _run(rt: Runtime, ie: BoxInit, uk: BoxInit, door_url: str, token: str,
     out(f"   {host} takes writes on {uk.label} (seq {after})")
     root = rt.settings.root
     shown = await checks(
-        events=rt.events, store=rt.store, host=host, port=new_port, target_db=uk.box_dir / "data" / f"{host}.db",
+        events=rt.events, store=rt.store, host=host, port=new_port,
+        target_db=instance_dir(uk.box_dir / "data", host) / f"{host}.db",
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(ie.region),
-        left_local=[ie.box_dir / "data" / f"{host}.db", ie.box_dir / "data" / host], once_after_ms=ONCE_AFTER_MS)
+        left_local=[instance_dir(ie.box_dir / "data", host) / f"{host}.db",
+                    instance_dir(ie.box_dir / "data", host) / host],
+        once_after_ms=ONCE_AFTER_MS)
     return Shown(host, move_id, lines, shown)

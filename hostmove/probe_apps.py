@@ -23,7 +23,7 @@ from pathlib import Path
 from kernel.ports import blocking
 from moveprobe.config import probe_env
 from services.box.instance.proctree import CgroupTree, find_cgroup2_root
-from services.box.instance.sandbox import hand_over_dirs
+from services.box.instance.sandbox import shared_dirs, user_for
 from services.target.probe import ProbeApp, ProcessApp
 
 
@@ -101,7 +101,8 @@ class ProbeApps:
         # The sample app's own settings from this box's environment (its fail switch among them), nothing else of
         # it: an instance's environment is its release's (issue 14 item 4).
         env = {**{k: v for k, v in os.environ.items() if k.startswith("MOVEPROBE_")}, **env}
-        await blocking(hand_over_dirs, getattr(tree, "instance_user", None), [self.acks])
+        if user_for(tree, host) is not None:  # the host runs as its own user: the side directory is shared
+            await blocking(shared_dirs, [self.acks])
         app = _TidiedApp(argv=[sys.executable, "-m", "moveprobe"], port=port, host=host, tree=tree,
                          ready_path="/ready", env=env, request_timeout_s=0.5, owner=self if self._owned else None,
                          data_dir=db_path.parent)

@@ -58,6 +58,7 @@ from services.agent.service import read_endpoint
 from services.apps.releases import load_manifest, publish
 from services.box.deployment import init_deployment
 from services.box.instance.proctree import CgroupTree
+from services.box.instance.sandbox import instance_dir
 from services.box.roster import BoxInit, ensure_deployment, init_box
 from services.door.auth import token_digest
 from services.move.follow import host_segment
@@ -258,9 +259,10 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
     root = rt.settings.root
     shown = await checks(
         events=rt.events, store=rt.store, host=host, port=new_port,
-        target_db=served.box_dir / "data" / f"{host}.db",
+        target_db=instance_dir(served.box_dir / "data", host) / f"{host}.db",
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(left.region),
-        left_local=[left.box_dir / "data" / f"{host}.db", left.box_dir / "data" / host], once_after_ms=ONCE_AFTER_MS)
+        left_local=[instance_dir(left.box_dir / "data", host) / f"{host}.db",
+                    instance_dir(left.box_dir / "data", host) / host], once_after_ms=ONCE_AFTER_MS)
     if scenario != "move" and ended == "rolled_back":
         shown += await _history_checks(rt, host, move_id, "dirty-rollback" if scenario == "dirty-rollback"
                                        else "clean-rollback", ie, uk)

@@ -281,12 +281,13 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         log.error("hostmove serve box: box %s cannot spawn strictly (%s); it refuses to take part in moves", label,
                   why, extra=ctx(box=label, reason=why))
         return 2
-    from services.box.instance.sandbox import SandboxError, ensure_instance_user, hand_over_dirs
+    from services.box.instance.sandbox import InstanceUsers, SandboxError, shared_dirs
 
-    try:  # every instance runs as the unprivileged instance user, never as the agent (issue 14 item 4)
-        tree.instance_user = ensure_instance_user()
-        hand_over_dirs(tree.instance_user, [cfg.acks_dir])
-    except SandboxError as exc:
+    try:  # as root, each instance runs as a user of its own, never as the agent (issue 14 item 4)
+        if os.geteuid() == 0:
+            tree.instance_users = InstanceUsers(cfg.box_dir)
+            shared_dirs([cfg.acks_dir])
+    except (SandboxError, OSError) as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
     if rt.settings.may_create_buckets:

@@ -258,7 +258,9 @@ def _remove_grpc_sockets(ports: Ports) -> None:
 
 
 def _nats_argv(root: Path, ports: Ports) -> list[str]:
-    """``nats.conf`` holds the users (nkeys, per-role permissions: :mod:`hostmove.access`); anonymous is refused."""
+    """``nats.conf`` holds the users (nkeys, per-role permissions: :mod:`hostmove.access`); anonymous is refused.
+    The monitoring port (``-m``), which has no authentication, listens where ``-a`` binds the client port (nats-server
+    takes its host from ``-a`` when the configuration names no ``http``): loopback only (issue 14)."""
     return [str(NATS_BIN), "-c", str(nats_conf_path(root)), "-js", "-sd", str(root / "nats"), "-a", HOST,
             "-p", str(ports.nats), "-m", str(ports.nats_monitor)]
 

@@ -56,6 +56,7 @@ from services.agent.service import BoxAgent as ProductionAgent
 from services.box.artifacts.markers import normalize
 from services.box.fence import fence_box
 from services.box.instance.activator import AppSpec, StartPolicy
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.sleep import SleepMarks
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.roster import init_box
@@ -952,7 +953,7 @@ class MoveWorld(World):
             claim = self.checker.claims.get(host)
             serving = claim.op.exec if claim is not None and claim.op.kind == "serving" else None
             for label in sorted(self.boxes):  # a box the host left keeps no live copy of it (§6.4, §7.9 step 3)
-                db = self.root / "boxes" / label / "data" / f"{host}.db"
+                db = instance_dir(self.root / "boxes" / label / "data", host) / f"{host}.db"
                 if serving is not None and label != serving and db.exists():
                     self.checker.flag("INV-10", f"{label} keeps a live database of {host} after move {last.id} "
                                                 f"closed {last.outcome}; it serves on {serving}")
@@ -977,7 +978,7 @@ class MoveWorld(World):
                 continue
             if not self._asleep(plan.host, claim) and not self._runs(plan.host, claim.op.exec, claim.holder.session):
                 continue
-            db = self.root / "boxes" / claim.op.exec / "data" / f"{plan.host}.db"
+            db = instance_dir(self.root / "boxes" / claim.op.exec / "data", plan.host) / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
 
     async def _inv2_cold(self, *, uploaded_by: float) -> None:

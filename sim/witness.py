@@ -23,6 +23,7 @@ import msgspec
 
 from events.claim import Claim, Op
 from services.agent.config import region_bucket
+from services.box.instance.sandbox import instance_dir
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
 from services.ledger.ledger import Committed
@@ -383,7 +384,7 @@ async def w_disk_lost(world: World) -> None:
     byte (INV-4, §8.3 L17). Mutated (``files-manifest-restore`` off), the missing files are never restored and the
     app starts with an empty files directory beside its restored database (moveprobe writes a new key): INV-4."""
     mw = await _serving_with_writes(world, 3)
-    files = mw.root / "boxes" / "ie-1" / "data" / H
+    files = instance_dir(mw.root / "boxes" / "ie-1" / "data", H) / H
     before = {p.name: p.read_bytes() for p in sorted(files.iterdir()) if p.is_file() and p.name != ".files-gen"}
     await asyncio.sleep(2 * 30.0)  # two sync intervals: the writes so far are in the bucket
     await _writes(mw, 2, "unsynced")

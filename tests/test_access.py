@@ -4,6 +4,7 @@ permissions, a store whose only door is its signed S3 port, and a scoped S3 iden
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -353,6 +354,29 @@ def test_every_port_of_the_store_but_s3_refuses_an_unsigned_request(stack: Stack
         unsigned.get_object(Bucket=deployment.bucket, Key=ROSTER_KEY)
     with pytest.raises(ClientError, match="AccessDenied"):
         unsigned.put_object(Bucket=deployment.bucket, Key="planted", Body=b"x")
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on TCP ``port`` (``/proc/net/tcp`` and ``tcp6``, state 0A)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hexport = local.rsplit(":", 1)
+                if state == "0A" and int(hexport, 16) == port:
+                    out.add(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]) if len(address) == 8
+                            else address)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("HOSTMOVE_TEST_CONTAINERS") == "1", reason="the embedded stack's ports")
+def test_the_nats_monitoring_port_listens_on_loopback_only(stack: StackInfo) -> None:
+    """Issue 14 (the monitoring port): NATS's monitor has no authentication of its own (``/connz`` names every
+    connection and its subscriptions), so the embedded stack binds it to loopback only, as its client port."""
+    port = int(stack.nats_monitor_url.rsplit(":", 1)[1])
+    assert _listeners(port) == {"127.0.0.1"}
+    assert _listeners(int(stack.nats_url.rsplit(":", 1)[1])) == {"127.0.0.1"}
 
 
 def test_behind_the_tls_the_filer_still_wants_a_signed_token(stack: StackInfo, deployment: Deployment) -> None:

@@ -27,6 +27,7 @@ from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
+from services.box.instance.sandbox import instance_dir
 from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -107,9 +108,11 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_dea
     port = await serving_port(w, "uk", host)
     assert await asyncio.to_thread(post_write, port, "after the move") > 0
     shown = await checks(
-        events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir("uk") / "data" / f"{host}.db",
+        events=w.events, store=w.store, host=host, port=port,
+        target_db=instance_dir(w.box_dir("uk") / "data", host) / f"{host}.db",
         ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]}), left_bucket=f"{w.prefix}-ie",
-        left_local=[w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host],
+        left_local=[instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db",
+                    instance_dir(w.box_dir("ie") / "data", host) / host],
         once_after_ms=ONCE_AFTER_MS, runner_deaths=runner_deaths)
     assert all(c.ok for c in shown), "\n".join(c.line() for c in shown)
     assert read_endpoint(w.box_dir("ie"), host) is None
@@ -145,7 +148,7 @@ async def still_served_on_ie(w: AgentWorld, host: str, note: str) -> None:
     seq = await asyncio.to_thread(post_write, port, note)
     acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
     assert acks[-1].seq == seq
-    assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
+    assert missing_from_db(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", list(acks)) == []
     assert read_endpoint(w.box_dir("uk"), host) is None, "nothing runs on the target"
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
@@ -207,7 +210,7 @@ async def test_a_new_agent_process_is_a_new_session(stack: StackInfo, unique: Ca
             port = await serving_port(w, "ie", host, newer_than=before.holder.session)
             seq = await asyncio.to_thread(post_write, port, f"after restart {kill + 1}")
             acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
-            missing = missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks))
+            missing = missing_from_db(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", list(acks))
             assert acks[-1].seq == seq and missing == [], missing[:3]
             declared = [a for a in after.holder.admissions if a.writes_lost is not None or a.additional_writes_lost]
             assert declared == [], f"restart {kill + 1}: a session was declared lost: {declared}"

@@ -121,9 +121,10 @@ async def test_a_box_stages_and_renders_every_start_from_the_release(tmp_path: P
     assert staged is not None and (staged.dir / "notes.py").is_file()  # T7: staged, verified, its files there
     env = dict(spec.env("n.example.com", tmp_path, 4321, "ie"))
     assert env["NOTES_TOKEN"] == "tok-1" and env["NOTES_PORT"] == "4321"
-    assert env["NOTES_DB"] == str(tmp_path / "ie-1" / "data" / "n.example.com.db")
+    assert env["NOTES_DB"] == str(tmp_path / "ie-1" / "data" / "instances" / "n.example.com" / "n.example.com.db")
     assert spec.argv[1] == str(staged.dir / "notes.py") and os.path.isabs(spec.argv[0])
-    assert ie.timers_path("n.example.com") == tmp_path / "ie-1" / "data" / "n.example.com" / "timers.json"
+    assert ie.timers_path("n.example.com") == (tmp_path / "ie-1" / "data" / "instances" / "n.example.com"
+                                               / "n.example.com" / "timers.json")
     classes = var_classes(staged.release)
     assert classes["NOTES_DB"] == "layout" and classes["NOTES_TOKEN"] == "equal"
     launch = await ie.launch("n.example.com")

@@ -154,7 +154,7 @@ async def test_an_agent_dying_under_a_writing_app_declares_nothing(world: World,
     dead = (await world.claim(host)).holder  # type: ignore[union-attr]
     await _die(act)
     await ctx.tree.reopen_and_drain(host, within_s=10)
-    for path in ctx.data_dir.iterdir():  # lost with the disk (the files come back from their manifest)
+    for path in ctx.instance_dir(host).iterdir():  # lost with the disk (the files come back from their manifest)
         if path.is_file():
             path.unlink()
     successor = world.activator(ctx)

@@ -303,7 +303,7 @@ async def test_files_come_back_from_the_manifest_after_a_lost_disk(
         (user / "report.pdf").write_bytes(os.urandom(200_000))
         (user / "private.txt").write_text("only mine")
         (user / "private.txt").chmod(0o600)
-        a_ctx.data_dir.joinpath(f"{host}.env").write_text("SECRET_MODE=on\n")
+        a_ctx.env_path(host).write_text("SECRET_MODE=on\n")
         a = world.activator(a_ctx)
         first = await a.wake(host)
         assert isinstance(first, Started), first
@@ -320,7 +320,7 @@ async def test_files_come_back_from_the_manifest_after_a_lost_disk(
         second = await b.wake(host)
         assert isinstance(second, Started), second
         assert tree_of(b_ctx.files_dir(host)) == before, "byte-identical, modes included"
-        assert b_ctx.data_dir.joinpath(f"{host}.env").read_text() == "SECRET_MODE=on\n"
+        assert b_ctx.env_path(host).read_text() == "SECRET_MODE=on\n"
         tag = read_files_gen(b_ctx.files_dir(host))
         assert tag is not None and tag.op == second.generation, ".files-gen names the new installation"
         m2 = await read_manifest(world.store, world.bucket, f"instances/{host}/{ACT_INC}", second.generation)

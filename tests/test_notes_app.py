@@ -26,6 +26,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from services.agent.service import read_endpoint
 from services.apps.releases import load_manifest, publish
+from services.box.instance.sandbox import instance_dir
 from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -144,7 +145,8 @@ async def test_the_notes_app_moves_with_its_files_timers_and_secret(stack: Stack
             await asyncio.sleep(0.3)
         assert timers.ok, timers.detail
         left = await no_live_copy(store, f"{w.prefix}-ie", host, local=[
-            w.box_dir("ie") / "data" / f"{host}.db", w.box_dir("ie") / "data" / host])
+            instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db",
+            instance_dir(w.box_dir("ie") / "data", host) / host])
         assert left.ok, left.detail
         audit = await run_audit(w.events, w.ledger, host=host)
         assert audit.clean(strict=True), [f.line() for f in audit.findings]

@@ -30,6 +30,7 @@ from kernel.ports import SystemRandom
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
 from services.box.fence import FenceRef, read_fence
+from services.box.instance.sandbox import instance_dir
 from services.box.replica.restore import restore_generation
 from services.box.roster import RosterRefusal, init_box, read_roster
 from services.hosts.create import create_host
@@ -152,7 +153,7 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
             assert admission.box == replacement and admission.region == "ie"
             assert admission.writes_lost is not None and admission.writes_lost.box == lost, \
                 "the fenced box's session is declared: it had no clean close"
-            served_db = w.root / "boxes" / replacement / "data" / f"{host}.db"
+            served_db = instance_dir(w.root / "boxes" / replacement / "data", host) / f"{host}.db"
             assert missing_from_db(served_db, list(acks)) == [], "every durable write serves on the replacement"
             assert await asyncio.to_thread(post_write, new_port, "after the relocation") > seqs[-1]
             async def audited() -> bool:  # a CAS whose event is still on its way is drift only until it lands

@@ -28,6 +28,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from services.agent.service import read_endpoint
 from services.box.instance.coverage import MAX_ADMISSIONS
+from services.box.instance.sandbox import instance_dir
 from services.box.replica.layout import generation_prefixes
 from services.door.api import Door
 from services.door.auth import Identity
@@ -133,9 +134,11 @@ async def served_after_move(w: AgentWorld, host: str, frm: str, to: str, visited
     assert await asyncio.to_thread(post_write, port, f"after the move to {to}") > 0
     later = {r: w.labels[r] for r in dict.fromkeys(visited)}
     shown = await checks(
-        events=w.events, store=w.store, host=host, port=port, target_db=w.box_dir(to) / "data" / f"{host}.db",
+        events=w.events, store=w.store, host=host, port=port,
+        target_db=instance_dir(w.box_dir(to) / "data", host) / f"{host}.db",
         ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], later), left_bucket=f"{w.prefix}-{frm}",
-        left_local=[w.box_dir(frm) / "data" / f"{host}.db", w.box_dir(frm) / "data" / host],
+        left_local=[instance_dir(w.box_dir(frm) / "data", host) / f"{host}.db",
+                    instance_dir(w.box_dir(frm) / "data", host) / host],
         once_after_ms=ONCE_AFTER_MS)
     assert all(c.ok for c in shown), f"{frm} -> {to}:\n" + "\n".join(c.line() for c in shown)
     assert read_endpoint(w.box_dir(frm), host) is None, f"{frm} still names an instance of {host}"

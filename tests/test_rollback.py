@@ -25,6 +25,7 @@ from hostmove.rehearsal import ack_logs, declared_losses, nothing_missing
 from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV
 from services.agent.service import read_endpoint
+from services.box.instance.sandbox import instance_dir
 from services.ledger.audit import run_audit
 from services.move.incidents import RELEASE_WAITING
 from services.objstore.s3 import S3Store
@@ -51,7 +52,7 @@ async def every_row_home(w: AgentWorld, host: str) -> None:
     assert all(a.writes_lost is None for a in claim.holder.admissions if a.box == w.labels["ie"]), \
         claim.holder.admissions
     logs = ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]})
-    check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host)
+    check = nothing_missing(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", logs, host)
     if not (check.ok and "covered" not in check.detail):
         tails = "\n".join(f"--- {r}\n{a.output()[-6000:]}" for r, a in w.agents.items())
         raise AssertionError(f"{check.line()}\ndeclared losses: {declared}\n{tails}")

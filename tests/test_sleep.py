@@ -31,6 +31,7 @@ from kernel.ports import SystemRandom
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import FAST_AGENT, PRODUCTION_AGENT, idle_override, read_endpoint
 from services.box.instance.activator import certificate_key
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.sleep import Activity, SleepMarks, idle_left
 from services.hosts.create import create_host
 from services.ledger import Committed
@@ -130,7 +131,7 @@ async def test_an_idle_host_sleeps_and_a_request_wakes_it(stack: StackInfo, uniq
         new_port = await served(w, host, newer_than=awake.holder.session)
         acks = [a for a in read_acks(w.acks(host)) if isinstance(a, RowAck)]
         assert [a.seq for a in acks] == seqs
-        assert missing_from_db(w.box_dir("ie") / "data" / f"{host}.db", list(acks)) == []
+        assert missing_from_db(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", list(acks)) == []
         assert await asyncio.to_thread(post_write, new_port, "after the nap") > seqs[-1]
 
 

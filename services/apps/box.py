@@ -41,6 +41,7 @@ from services.apps.releases import ReleaseBook, ReleaseError, Staged, read_defau
 from services.box.artifacts.sealing import PrivateKey, SealError, open_key, secrets_key_fp
 from services.box.instance.activator import AppSpec, AppUnavailable
 from services.box.instance.proctree import ProcessTree
+from services.box.instance.sandbox import instance_dir
 from services.source.preparing import LaunchInputs
 from services.source.report import compose_env
 from services.target.probe import ProbeApp, ProcessApp
@@ -88,10 +89,11 @@ class BoxApps:
         return staged
 
     def slots(self, host: str, staged: Staged, port: int) -> dict[str, str]:
-        instance = self.data_dir / host
+        data = instance_dir(self.data_dir, host)  # the instance's own directory (issue 14)
+        instance = data / host
         return {
-            "host": host, "region": self.region, "box": self.label, "port": str(port), "data_dir": str(self.data_dir),
-            "db": str(self.data_dir / f"{host}.db"), "instance_dir": str(instance),
+            "host": host, "region": self.region, "box": self.label, "port": str(port), "data_dir": str(data),
+            "db": str(data / f"{host}.db"), "instance_dir": str(instance),
             "files_dir": str(instance / staged.release.files_dir), "release_dir": str(staged.dir),
             "side_dir": str(self.side_dir), "python": self.python,
         }
@@ -182,7 +184,7 @@ class BoxApps:
                          ready_path=staged.release.ready_path, env=self.instance_env(host, staged, port, secrets),
                          logs=self.box_dir / "logs", request_timeout_s=self.probe_request_timeout_s)
         if hasattr(app, "data_dir"):  # the sandbox hands the probe's files to the instance user (issue 14 item 4)
-            app.data_dir = self.data_dir
+            app.data_dir = instance_dir(self.data_dir, host)
         else:
             app.cwd = self.box_dir
         return app
@@ -213,7 +215,7 @@ class BoxApps:
         staged = self._current.get(host)
         if staged is None or not staged.release.timers:
             return None
-        return self.data_dir / host / staged.release.timers
+        return instance_dir(self.data_dir, host) / host / staged.release.timers
 
 
 __all__ = ["APP_BUNDLE", "AppUnavailable", "BoxApps"]

@@ -42,6 +42,7 @@ from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.box.instance.guard import ReadClaim, host_guard
 from services.box.instance.registry import Registry
+from services.box.instance.sandbox import InstanceUsers, instance_dir
 from services.box.instance.stamps import ParkedArtifact, StampBook
 from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
@@ -203,8 +204,8 @@ class LocalRetirement:
     """The source's local park (§7.9 step 3; §6.4 "Local retirement"): under the host guard and a fresh claim
     read (K5 again), ``retire-installation`` of the holder's incarnation (the retired marker first, then every
     tagged artifact renamed into ``.parked/superseded-<op>/park-superseded-local/<host>/``), then the row's
-    delete conditional on ``hold_op = move id`` and the host's timers rows. Idempotent: a replay parks
-    nothing new and deletes nothing more. Usable as :attr:`Finalizer.local_retire`."""
+    delete conditional on ``hold_op = move id``, the host's timers rows and its instance user (issue 14).
+    Idempotent: a replay parks nothing new and deletes nothing more. Usable as :attr:`Finalizer.local_retire`."""
 
     box_dir: Path
     stamps: StampBook
@@ -223,6 +224,7 @@ class LocalRetirement:
                                                      event=f"{PARK_SUPERSEDED}-local")
             row_deleted = self.registry.delete_held(host, hold_op or move_id)
             timers_deleted = self.timers.delete_all(host)
+            InstanceUsers(self.box_dir).release(host, instance_dir(self.box_dir / "data", host))  # issue 14
         return LocalRetired(tuple(parked), row_deleted, timers_deleted)
 
 

@@ -45,6 +45,7 @@ from services.box.artifacts.filesmanifest import Binding, FilesManifestError, pu
 from services.box.artifacts.markers import read_files_gen, write_files_gen, write_local_gen
 from services.box.artifacts.sealing import PrivateKey
 from services.box.instance.registry import Registry
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.timers import TimerError, TimerRow, Timers
 from services.box.replica.install import InstallError, build_generation, read_install
 from services.box.replica.restore import RestoreRefused, restore_files
@@ -89,13 +90,13 @@ class ReturnInstall:
             self.faults(point)
 
     def db_path(self, host: str) -> Path:
-        return self.box_dir / "data" / f"{host}.db"
+        return instance_dir(self.box_dir / "data", host) / f"{host}.db"
 
     def files_dir(self, host: str) -> Path:
-        return self.box_dir / "data" / host
+        return instance_dir(self.box_dir / "data", host) / host
 
     def env_path(self, host: str) -> Path:
-        return self.box_dir / "data" / f"{host}.env"
+        return instance_dir(self.box_dir / "data", host) / f"{host}.env"
 
     def journal_dir(self, host: str, rb_id: str) -> Path:
         """F12: ``<box>/.moves/<host>/<rb>/``."""
@@ -168,7 +169,7 @@ class ReturnInstall:
         if done is not None and (done.op, done.incarnation) == (rb.id, move.incarnation):
             return
         data = self.box_dir / "data"
-        data.mkdir(parents=True, exist_ok=True)
+        instance_dir(data, host).mkdir(parents=True, exist_ok=True)
         parked = data / ".parked" / f"superseded-{rb.id}"
         db = self.db_path(host)
         for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm"), db.with_suffix(".gen"), files_dir, env):

@@ -30,7 +30,7 @@ from typing import Literal, Protocol
 
 from kernel.ports import Clock, blocking, http_status
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
-from services.box.instance.sandbox import hand_over, instance_env
+from services.box.instance.sandbox import hand_over, instance_env, user_for
 from services.target.budget import MAX_ATTEMPTS
 
 FailReason = Literal[
@@ -247,7 +247,7 @@ class ProcessApp:
     cwd: Path | None = None
     logs: Path | None = None
     data_dir: Path | None = None
-    """The box's data directory holding the probe's database: handed to the tree's instance user before the
+    """The instance's directory holding the probe's database: handed to the host's instance user before the
     spawn (:func:`services.box.instance.sandbox.hand_over`, issue 14 item 4)."""
     request_timeout_s: float = 2.0
     drain_within_s: float = 10.0
@@ -263,7 +263,7 @@ class ProcessApp:
             out, err = self.logs / f"{self.host}.probe.out", self.logs / f"{self.host}.probe.err"
         try:
             if self.data_dir is not None:  # its files become the instance user's (SandboxError is an OSError)
-                await blocking(hand_over, getattr(self.tree, "instance_user", None), self.data_dir, self.host)
+                await blocking(hand_over, user_for(self.tree, self.host), self.data_dir, self.host)
             self.spawned = await blocking(
                 self.tree.spawn_strict, self.host, list(self.argv), env=env,
                 cwd=self.cwd or self.data_dir or os.getcwd(),

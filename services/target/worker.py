@@ -60,6 +60,7 @@ from services.box.instance.guard import host_guard
 from services.box.instance.instances import AlreadyRunning, Instance, Instances
 from services.box.instance.proctree import ProcessTree
 from services.box.instance.registry import Registry
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.stamps import Refuse as StampRefuse
 from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.instance.timers import TimerError, TimerRow, Timers, timers_digest
@@ -214,14 +215,18 @@ class TargetBox:
     def data_dir(self) -> Path:
         return self.box_dir / "data"
 
+    def instance_dir(self, host: str) -> Path:
+        """``<data>/instances/<host>/`` (:func:`services.box.instance.sandbox.instance_dir`, issue 14)."""
+        return instance_dir(self.data_dir, host)
+
     def db_path(self, host: str) -> Path:
-        return self.data_dir / f"{host}.db"
+        return self.instance_dir(host) / f"{host}.db"
 
     def files_dir(self, host: str) -> Path:
-        return self.data_dir / host
+        return self.instance_dir(host) / host
 
     def env_path(self, host: str) -> Path:
-        return self.data_dir / f"{host}.env"
+        return self.instance_dir(host) / f"{host}.env"
 
     def journal_dir(self, host: str, move_id: str) -> Path:
         """F12: ``<box>/.moves/<host>/<op>/``."""
@@ -494,7 +499,7 @@ class LandingWorker:
         seal = read_seal(claim)
         journal = _LocalJournal(self.box.journal_dir(host, move.id) / "local.json")
         data = self.box.data_dir
-        data.mkdir(parents=True, exist_ok=True)
+        self.box.instance_dir(host).mkdir(parents=True, exist_ok=True)
         if not journal.done("retired"):
             parked = data / ".parked" / f"superseded-{move.id}"
             for path in (self.box.db_path(host), Path(f"{self.box.db_path(host)}-wal"),

@@ -99,7 +99,7 @@ from services.box.instance.guard import Guarded, host_guard
 from services.box.instance.instances import Instance, Instances, unshipped_path
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
 from services.box.instance.registry import Registry, is_held
-from services.box.instance.sandbox import hand_over, instance_env
+from services.box.instance.sandbox import hand_over, instance_dir, instance_env, user_for
 from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.replica.install import read_install
 from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation, parse_ltx_name
@@ -298,11 +298,18 @@ class BoxContext:
     def data_dir(self) -> Path:
         return self.box_dir / "data"
 
+    def instance_dir(self, host: str) -> Path:
+        """``<data>/instances/<host>/``: every file of the host's instance, its own user's (issue 14)."""
+        return instance_dir(self.data_dir, host)
+
     def db_path(self, host: str) -> Path:
-        return self.data_dir / f"{host}.db"
+        return self.instance_dir(host) / f"{host}.db"
 
     def files_dir(self, host: str) -> Path:
-        return self.data_dir / host
+        return self.instance_dir(host) / host
+
+    def env_path(self, host: str) -> Path:
+        return self.instance_dir(host) / f"{host}.env"
 
 
 def purge_local_db(db_path: Path) -> None:
@@ -676,7 +683,7 @@ class Activator:
         assert holder is not None
         host, ctx = claim.host, self.ctx
         db = ctx.db_path(host)
-        ctx.data_dir.mkdir(parents=True, exist_ok=True)
+        ctx.instance_dir(host).mkdir(parents=True, exist_ok=True)
         await self._files_step(claim, baseline)
         purge_local_db(db)
         restored_txid = 0
@@ -689,8 +696,8 @@ class Activator:
         logs = ctx.box_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # the platform's: no instance lists or reads them
         app = self._spec(host)
-        env = instance_env(app.env(host, ctx.data_dir, port, ctx.region), home=ctx.files_dir(host))  # its release's
-        await blocking(hand_over, getattr(ctx.tree, "instance_user", None), ctx.data_dir, host)
+        env = instance_env(app.env(host, ctx.instance_dir(host), port, ctx.region), home=ctx.files_dir(host))
+        await blocking(hand_over, user_for(ctx.tree, host), ctx.instance_dir(host), host)
         spawned = await blocking(
             ctx.tree.spawn_strict, host, list(app.argv), env=env, cwd=str(ctx.box_dir),
             stdout=logs / f"{host}.out", stderr=logs / f"{host}.err",
@@ -734,7 +741,7 @@ class Activator:
         holder = claim.holder
         assert holder is not None
         host, ctx = claim.host, self.ctx
-        files_dir, env_file = ctx.files_dir(host), ctx.data_dir / f"{host}.env"
+        files_dir, env_file = ctx.files_dir(host), ctx.env_path(host)
         exists = os.path.lexists(files_dir)
         decision = decide_files(claim, exists, read_files_gen(files_dir) if exists else None, box=ctx.label)
         if isinstance(decision, KeepFiles):
@@ -760,7 +767,7 @@ class Activator:
             for path in (files_dir, env_file):
                 if os.path.lexists(path):
                     os.rename(path, parked / path.name)
-            fsync_dir(ctx.data_dir)
+            fsync_dir(ctx.instance_dir(host))
         predecessor = cold_predecessor(claim)
         tag = FilesGen(op=normalize(holder.generation) if predecessor is None else predecessor,
                        incarnation=holder.incarnation)
@@ -785,7 +792,7 @@ class Activator:
                           region=ctx.region)
         try:
             await publish_manifest(ctx.data_store, ctx.data_bucket, binding, ctx.files_dir(claim.host),
-                                   ctx.data_dir / f"{claim.host}.env")
+                                   ctx.env_path(claim.host))
         except UnsupportedEntry as exc:
             log.error("the files of %s have no manifest in generation %s: %s", claim.host, holder.generation, exc)
         except (FilesManifestError, ArchiveError) as exc:

@@ -53,7 +53,7 @@ from typing import Protocol
 from bus.subjects import SubjectError, decode_token, encode_token
 from kernel.fsutil import atomic_write
 from kernel.ports import Clock, WallClock
-from services.box.instance.sandbox import PLATFORM, InstanceUser, drop_argv
+from services.box.instance.sandbox import PLATFORM, InstanceUsers, drop_argv, user_for
 
 __all__ = [
     "AGENT_LEAF",
@@ -494,11 +494,11 @@ class CgroupTree:
     ``root=None`` (no cgroup v2 on this machine) makes every strict spawn refuse. ``journal`` is the box's
     :class:`SpawnJournal` (a directory in the box's state): every strict spawn is recorded there first. Without
     one nothing is recorded and :meth:`spawn_history` knows nothing, so an absent leaf never counts as evidence.
-    ``instance_user``: every strict spawn runs as that user (placed first, then dropped: issue 14 item 4); None runs
-    it as this process's user.
+    ``instance_users``: every strict spawn of a host runs as that host's own user (placed first, then dropped:
+    issue 14 item 4); None runs it as this process's user.
     """
 
-    instance_user: InstanceUser | None = None
+    instance_users: InstanceUsers | None = None
 
     def __init__(
         self,
@@ -636,7 +636,7 @@ class CgroupTree:
             with open(stdout, "ab") as out, open(stderr, "ab") as err:
                 proc = subprocess.Popen(
                     ["/bin/sh", "-c", _SHIM, "hostmove-shim", str(leaf / "cgroup.procs"),
-                     *drop_argv(self.instance_user, argv)],
+                     *drop_argv(user_for(self, host), argv)],
                     env={k: v for k, v in env.items() if not k.startswith(PLATFORM)},
                     cwd=str(cwd),
                     stdin=write_end,
