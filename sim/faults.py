@@ -114,10 +114,20 @@ class FaultPlan:
     def s3_request(self, op: str, key: str, timing: Timing, *, long_tail_p: float = 0.08) -> RequestFate:
         """The fate of one object-store request (model digest §2: 70% at once, a long tail, lost
         responses, signature-age refusals after a pause)."""
-        pause_before = self.uniform("s3.pause_before_sign.s", 1, 600) if self.fault("s3.pause_before_sign", 0.02) else 0
-        pause_after = self.uniform("s3.pause_after_sign.s", 1, 1.3 * timing.sig_age_s) if self.fault(
-            "s3.pause_after_sign", 0.01) else 0
-        transit = self.uniform("s3.transit", 0.002, 0.02)
+        # The draws of fault() and uniform() inline, in the same order (a request's fate is the hottest draw).
+        draws, random, uniform = self.draws, self._rng.random, self._rng.uniform
+        draws["s3.pause_before_sign"] += 1
+        pause_before: float = 0
+        if random() < 0.02 and not self.calm:
+            self.fired["s3.pause_before_sign"] += 1
+            pause_before = self.uniform("s3.pause_before_sign.s", 1, 600)
+        draws["s3.pause_after_sign"] += 1
+        pause_after: float = 0
+        if random() < 0.01 and not self.calm:
+            self.fired["s3.pause_after_sign"] += 1
+            pause_after = self.uniform("s3.pause_after_sign.s", 1, 1.3 * timing.sig_age_s)
+        draws["s3.transit"] += 1
+        transit = uniform(0.002, 0.02)
         processing = 0.0
         if self.fault("s3.late", long_tail_p):
             tail = self.uniform("s3.late.kind", 0, 1)
@@ -128,15 +138,10 @@ class FaultPlan:
             else:
                 processing = self.uniform("s3.late.s", timing.client_timeout_s, timing.client_timeout_s
                                           + timing.request_limit_s)
-        return RequestFate(
-            pause_before_sign=pause_before,
-            pause_after_sign=pause_after,
-            transit=transit,
-            processing=processing,
-            answer=self.uniform("s3.answer", 0.002, 0.02),
-            fail_5xx=self.fault("s3.5xx", 0.02),
-            lost_response=self.fault("s3.lost_response", 0.03),
-        )
+        draws["s3.answer"] += 1
+        answer = uniform(0.002, 0.02)
+        return RequestFate(pause_before, pause_after, transit, processing, answer, self.fault("s3.5xx", 0.02),
+                           self.fault("s3.lost_response", 0.03))
 
     def publish(self) -> PublishFate:
         return PublishFate(

@@ -51,6 +51,8 @@ T = TypeVar("T")
 
 READS = frozenset({"get", "head"})
 LISTS = frozenset({"list_keys", "list_versions"})
+_CONSOLE_DATA = READS | {"copy_source", "bucket_versioning"}
+_BOX_DEPLOYMENT = READS | {"put", "copy_source", "bucket_versioning"}
 
 
 class RequestExpired(AccessDenied):
@@ -124,7 +126,7 @@ class M17Policy:
         if p.kind == "console":
             if a.bucket == self.deployment:
                 return None
-            if a.bucket in self.data_buckets.values() and a.op in READS | {"copy_source", "bucket_versioning"}:
+            if a.bucket in self.data_buckets.values() and a.op in _CONSOLE_DATA:
                 return None
             return f"the console may only read versions in {a.bucket}"
         own = self.data_buckets.get(p.region)
@@ -133,7 +135,7 @@ class M17Policy:
         if a.bucket == self.deployment:
             if not (a.key.startswith("control/") or a.key.startswith("moves/")):
                 return "a box reaches only control/ and moves/ in the deployment bucket"
-            if a.op in READS | {"put", "copy_source", "bucket_versioning"}:
+            if a.op in _BOX_DEPLOYMENT:
                 return None
             if a.op == "list_keys" and "/" in a.key:
                 return None
