@@ -204,6 +204,19 @@ def _give_up(fut: asyncio.Future[Any], access: Access, timeout_s: float) -> None
             f"{access.op} {access.bucket}/{access.key}: no answer within {timeout_s:g} s; the outcome is unknown"))
 
 
+class _Inner(MemoryStore):
+    """The server's versions: a :class:`MemoryStore` whose calls apply at once. Its own fault plan stays empty (the
+    twin's faults are its requests' fates) and its latency is none, so ``MemoryStore._run``'s instant sleep and empty
+    plan are skipped; a fault planned on it all the same takes that path."""
+
+    async def _run(self, op: str, key: str | None, effect: Callable[[], T]) -> T:
+        faults = self.faults
+        if faults._planned or faults.latency:
+            return await super()._run(op, key, effect)
+        faults.calls[op] += 1
+        return effect()
+
+
 class SimS3:
     """The server (see the module docstring). Deterministic given its ``rng``, fates and loop."""
 
@@ -218,7 +231,7 @@ class SimS3:
         fates: Fates = NOMINAL,
         long_tail_p: Callable[[Access], float] | None = None,
     ) -> None:
-        self.inner = MemoryStore(rng=rng, faults=Faults(sleep=_instant), clock=now_ms)
+        self.inner = _Inner(rng=rng, faults=Faults(sleep=_instant), clock=now_ms)
         self.now_ms = now_ms
         self.timing = timing
         self.trace = trace
@@ -324,7 +337,7 @@ class SimS3:
         extra: tuple[Access, ...],
         gives_up_at: float | None,
     ) -> None:
-        if req.fate.processing or any(h.active and h.pred(req) for h in self.holds):
+        if req.fate.processing or (self.holds and any(h.active and h.pred(req) for h in self.holds)):
             if gives_up_at is not None:
                 asyncio.get_running_loop().call_at(gives_up_at, _give_up, fut, req.access, self.timing.client_timeout_s)
             self._spawn(self._serve(req, effect, landed, fut, extra, arrived=True))
