@@ -114,6 +114,40 @@ class FaultPlan:
     def s3_request(self, op: str, key: str, timing: Timing, *, long_tail_p: float = 0.08) -> RequestFate:
         """The fate of one object-store request (model digest §2: 70% at once, a long tail, lost
         responses, signature-age refusals after a pause)."""
+        cls = type(self)
+        if cls.fault is not FaultPlan.fault or cls.uniform is not FaultPlan.uniform:  # its own draws (QuietPlan)
+            return self._s3_request_drawn(timing, long_tail_p)
+        # The draws of fault() and uniform() inline, in the same order (a request's fate is the hottest draw).
+        draws, random, uniform = self.draws, self._rng.random, self._rng.uniform
+        draws["s3.pause_before_sign"] += 1
+        pause_before: float = 0
+        if random() < 0.02 and not self.calm:
+            self.fired["s3.pause_before_sign"] += 1
+            pause_before = self.uniform("s3.pause_before_sign.s", 1, 600)
+        draws["s3.pause_after_sign"] += 1
+        pause_after: float = 0
+        if random() < 0.01 and not self.calm:
+            self.fired["s3.pause_after_sign"] += 1
+            pause_after = self.uniform("s3.pause_after_sign.s", 1, 1.3 * timing.sig_age_s)
+        draws["s3.transit"] += 1
+        transit = uniform(0.002, 0.02)
+        processing = 0.0
+        if self.fault("s3.late", long_tail_p):
+            tail = self.uniform("s3.late.kind", 0, 1)
+            if tail < 0.25:
+                processing = timing.horizon_s  # a quarter of the tail lands at exactly H
+            elif tail < 0.30:
+                processing = self.uniform("s3.late.straggler", timing.horizon_s, 11 * timing.horizon_s)
+            else:
+                processing = self.uniform("s3.late.s", timing.client_timeout_s, timing.client_timeout_s
+                                          + timing.request_limit_s)
+        draws["s3.answer"] += 1
+        answer = uniform(0.002, 0.02)
+        return RequestFate(pause_before, pause_after, transit, processing, answer, self.fault("s3.5xx", 0.02),
+                           self.fault("s3.lost_response", 0.03))
+
+    def _s3_request_drawn(self, timing: Timing, long_tail_p: float) -> RequestFate:
+        """:meth:`s3_request` through the plan's own draw methods (the same draws, in the same order)."""
         pause_before = self.uniform("s3.pause_before_sign.s", 1, 600) if self.fault("s3.pause_before_sign", 0.02) else 0
         pause_after = self.uniform("s3.pause_after_sign.s", 1, 1.3 * timing.sig_age_s) if self.fault(
             "s3.pause_after_sign", 0.01) else 0
@@ -122,7 +156,7 @@ class FaultPlan:
         if self.fault("s3.late", long_tail_p):
             tail = self.uniform("s3.late.kind", 0, 1)
             if tail < 0.25:
-                processing = timing.horizon_s  # a quarter of the tail lands at exactly H
+                processing = timing.horizon_s
             elif tail < 0.30:
                 processing = self.uniform("s3.late.straggler", timing.horizon_s, 11 * timing.horizon_s)
             else:

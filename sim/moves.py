@@ -438,6 +438,7 @@ class MoveWorld(World):
     def prepare(self) -> None:
         self.workdir: Path | None = None
         self.previous_cwd = ""
+        self.previous_tempdir: str | None = None
         self.net = SimNet()
         self.acks: list[Ack] = []
         self.lost: set[tuple[str, str, int]] = set()  # (host, box, session) declared lost by an admission
@@ -1042,6 +1043,10 @@ class MoveWorld(World):
         self.workdir = Path(tempfile.mkdtemp(prefix="hostmove-sim-", dir=scratch_dir()))
         self.previous_cwd = os.getcwd()
         os.chdir(self.workdir)  # back in cleanup(): tasks cancelled after the run still write relative to it
+        # The production code's own scratch directories (the readiness check's archive round trip) live in the run's
+        # directory too: on the machine's disk each one's removal cost milliseconds of a seed (a third of a second).
+        (self.workdir / "tmp").mkdir()
+        self.previous_tempdir, tempfile.tempdir = tempfile.tempdir, str(self.workdir / "tmp")
         with ports.simulation(PlanRandom(self.plan, "rng.system"), self.net):
             yield
 
@@ -1061,6 +1066,7 @@ class MoveWorld(World):
         self.abandoned.clear()
         if self.workdir is not None:
             os.chdir(self.previous_cwd)
+            tempfile.tempdir = self.previous_tempdir
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -39,6 +39,8 @@ class Result:
     counters: dict[str, int] = field(default_factory=dict)
     consulted: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # the harness failed (deadlock, budget, a refused call): never a detection
+    cpu_s: float = 0.0
+    """The CPU time the run cost its process (set by the gate's workers, outside the run: never in the trace)."""
 
     @property
     def violated(self) -> bool:

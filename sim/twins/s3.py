@@ -51,6 +51,8 @@ T = TypeVar("T")
 
 READS = frozenset({"get", "head"})
 LISTS = frozenset({"list_keys", "list_versions"})
+_CONSOLE_DATA = READS | {"copy_source", "bucket_versioning"}
+_BOX_DEPLOYMENT = READS | {"put", "copy_source", "bucket_versioning"}
 
 
 class RequestExpired(AccessDenied):
@@ -124,7 +126,7 @@ class M17Policy:
         if p.kind == "console":
             if a.bucket == self.deployment:
                 return None
-            if a.bucket in self.data_buckets.values() and a.op in READS | {"copy_source", "bucket_versioning"}:
+            if a.bucket in self.data_buckets.values() and a.op in _CONSOLE_DATA:
                 return None
             return f"the console may only read versions in {a.bucket}"
         own = self.data_buckets.get(p.region)
@@ -133,7 +135,7 @@ class M17Policy:
         if a.bucket == self.deployment:
             if not (a.key.startswith("control/") or a.key.startswith("moves/")):
                 return "a box reaches only control/ and moves/ in the deployment bucket"
-            if a.op in READS | {"put", "copy_source", "bucket_versioning"}:
+            if a.op in _BOX_DEPLOYMENT:
                 return None
             if a.op == "list_keys" and "/" in a.key:
                 return None
@@ -202,6 +204,19 @@ def _give_up(fut: asyncio.Future[Any], access: Access, timeout_s: float) -> None
             f"{access.op} {access.bucket}/{access.key}: no answer within {timeout_s:g} s; the outcome is unknown"))
 
 
+class _Inner(MemoryStore):
+    """The server's versions: a :class:`MemoryStore` whose calls apply at once. Its own fault plan stays empty (the
+    twin's faults are its requests' fates) and its latency is none, so ``MemoryStore._run``'s instant sleep and empty
+    plan are skipped; a fault planned on it all the same takes that path."""
+
+    async def _run(self, op: str, key: str | None, effect: Callable[[], T]) -> T:
+        faults = self.faults
+        if faults._planned or faults.latency:
+            return await super()._run(op, key, effect)
+        faults.calls[op] += 1
+        return effect()
+
+
 class SimS3:
     """The server (see the module docstring). Deterministic given its ``rng``, fates and loop."""
 
@@ -216,7 +231,7 @@ class SimS3:
         fates: Fates = NOMINAL,
         long_tail_p: Callable[[Access], float] | None = None,
     ) -> None:
-        self.inner = MemoryStore(rng=rng, faults=Faults(sleep=_instant), clock=now_ms)
+        self.inner = _Inner(rng=rng, faults=Faults(sleep=_instant), clock=now_ms)
         self.now_ms = now_ms
         self.timing = timing
         self.trace = trace
@@ -322,7 +337,7 @@ class SimS3:
         extra: tuple[Access, ...],
         gives_up_at: float | None,
     ) -> None:
-        if req.fate.processing or any(h.active and h.pred(req) for h in self.holds):
+        if req.fate.processing or (self.holds and any(h.active and h.pred(req) for h in self.holds)):
             if gives_up_at is not None:
                 asyncio.get_running_loop().call_at(gives_up_at, _give_up, fut, req.access, self.timing.client_timeout_s)
             self._spawn(self._serve(req, effect, landed, fut, extra, arrived=True))
