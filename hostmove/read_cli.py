@@ -260,9 +260,7 @@ def completion(args: argparse.Namespace, out: TextIO) -> int:
     """``hostmove completion bash|zsh``: the shell's completion script for every command (shtab)."""
     import shtab
 
-    from hostmove.cli import build_parser
-
-    print(shtab.complete(build_parser(), shell=args.shell), file=out)
+    print(shtab.complete(args.root_parser, shell=args.shell), file=out)
     return exitcodes.OK
 
 
@@ -313,6 +311,7 @@ def add_parsers(root: argparse.ArgumentParser, sub: Any) -> None:
     al.add_argument("--follow", action="store_true", help="keep printing new alerts until interrupted")
     co = sub.add_parser("completion", help="print the shell completion script (bash or zsh)")
     co.add_argument("shell", choices=("bash", "zsh"))
+    co.set_defaults(root_parser=root)  # the whole command line, complete once the shell has built it
     for p in (hl, hs, bl, bs, ml, mh, ms, al):
         _output(p)
     for p in (hl, hs, bl, bs, ml, mh, ms, al, co):

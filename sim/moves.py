@@ -4,7 +4,7 @@ The same harness as :mod:`sim.world` (twins, virtual clock, seeded faults, crash
 production actors of a move instead of the box stand-in:
 
 - each **box** runs the production agent :class:`services.agent.service.BoxAgent` (the activator, the box's
-  stores, both sides' runners of :mod:`services.move.sides`) on its own object-store principal; the sim's loop
+  stores, both sides' runners of :mod:`services.agent.sides`) on its own object-store principal; the sim's loop
   around it does what ``BoxAgent.run`` does (adopt what runs, then passes on ledger events, a scan and the
   passes' own wakes), on a durable consumer instead of core NATS. Its instances run in a :class:`SimTree`
   (the cgroup twin: an agent crash leaves them running, the next agent stops them) and behave like moveprobe
@@ -53,6 +53,7 @@ from kernel import ports
 from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
+from services.agent.sides import Timings
 from services.box.artifacts.markers import normalize
 from services.box.fence import fence_box
 from services.box.instance.activator import AppSpec, StartPolicy
@@ -66,11 +67,10 @@ from services.door.decide import MoveRequest
 from services.ledger.ledger import Crash, Ledger
 from services.ledger.protocol import ProtocolCheck
 from services.move import park as parking
-from services.move.sides import Timings
+from services.move.follow import snapshot_prefix
 from services.objstore.port import StoreError
 from services.recovery.recovery import RecoveryPass
 from services.source import phases as source_phases
-from services.source.staging import snapshot_prefix
 from services.sweeper.straggler import serving_region
 from services.target.probe import PRODUCTION as PROBE_PRODUCTION
 from services.target.probe import ProbeApp, ProcessApp

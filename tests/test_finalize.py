@@ -26,6 +26,7 @@ from services.ledger import Committed, Ledger, NoChange
 from services.ledger.ledger import Crash
 from services.move.finalize import Finalizer, LocalRetirement, decide_close
 from services.move.follow import claim_half
+from services.move.lease import LeaseTiming, StagingWork
 from services.move.park import (
     FAST,
     PRODUCTION,
@@ -42,7 +43,6 @@ from services.move.park import (
 from services.objstore.port import Got, VersionEntry
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
-from services.source.lease import LeaseTiming, StagingWork
 
 INC = "ab" * 32
 OTHER_INC = "cd" * 32

@@ -38,12 +38,12 @@ from services.box.replica.replicator import Replicator
 from services.box.replica.restore import restore_generation
 from services.hosts.create import create_host
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
-from services.move.follow import claim_half
+from services.move.follow import claim_half, snapshot_prefix
+from services.move.lease import StagingWork
 from services.objstore.port import Got, ObjectStore, StoreUnavailable
 from services.objstore.s3 import S3Store
 from services.source import phases
-from services.source.lease import StagingWork, lease_timing
-from services.source.phases import FAST, PRODUCTION, Readiness, cut_deadline
+from services.source.phases import FAST, PRODUCTION, Readiness, cut_deadline, lease_timing
 from services.source.staging import (
     MoveMarker,
     StagedSet,
@@ -51,7 +51,6 @@ from services.source.staging import (
     StagingConflict,
     journal_key,
     lane,
-    snapshot_prefix,
 )
 from services.source.worker import SourceBox, SourceWorker, StepResult
 from tests.helpers.cgtest import as_agent, box_tree

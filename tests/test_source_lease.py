@@ -19,11 +19,15 @@ from hostmove.stackinfo import StackInfo
 from kernel import rules
 from kernel.ports import ManualClock, SeededRandom
 from services.ledger.ledger import NoChange, Refusal
-from services.move.follow import claim_half, host_segment, staging_evidence_at, staging_lane, staging_scope_location
-from services.move.park import location_prefix
-from services.objstore.port import Got
-from services.source import phases
-from services.source.lease import (
+from services.move.follow import (
+    claim_half,
+    host_segment,
+    snapshot_prefix,
+    staging_evidence_at,
+    staging_lane,
+    staging_scope_location,
+)
+from services.move.lease import (
     LeaseTiming,
     StagingLease,
     StagingStopped,
@@ -32,9 +36,12 @@ from services.source.lease import (
     decide_release,
     decide_renew,
     lease_key,
-    lease_timing,
     sign_refused,
 )
+from services.move.park import location_prefix
+from services.objstore.port import Got
+from services.source import phases
+from services.source.phases import lease_timing
 from services.source.staging import (
     REPLICA,
     StagedObject,
@@ -42,7 +49,6 @@ from services.source.staging import (
     Stager,
     lane,
     plan_mirror,
-    snapshot_prefix,
 )
 from tests.helpers.pushonly import PushOnly
 from tests.helpers.stores import Regions, regions

@@ -31,10 +31,10 @@ from services.box.instance.proctree import CgroupTree
 from services.box.replica.layout import GenerationScope
 from services.box.replica.replicator import Replicator
 from services.ledger import Committed, Crash, Ledger, NoChange, Refusal
+from services.move.lease import StagingWork
 from services.objstore.port import Got, ObjectStore
 from services.source import report as lr
-from services.source.lease import StagingWork, lease_timing
-from services.source.phases import PRODUCTION, TimingProfile, admission_refused
+from services.source.phases import PRODUCTION, TimingProfile, admission_refused, lease_timing
 from services.source.preparing import (
     LaunchInputs,
     Observed,

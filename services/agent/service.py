@@ -1,7 +1,7 @@
 """``hostmove serve box --label L``: one box's agent, driven by events and timers (ARCHITECTURE §2, §5).
 
 The agent is the box runtime (the activator that owns the box's instance processes) plus the box's move
-workers, both sides (:mod:`services.move.sides`): the source side for moves leaving this box, the target side for
+workers, both sides (:mod:`services.agent.sides`): the source side for moves leaving this box, the target side for
 moves landing on it. It keeps nothing that matters in memory:
 
 - **Wake-ups.** Every ledger event (core NATS on ``hm.ledger.>``) marks its host dirty; a scan of the claims
@@ -55,6 +55,17 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
+from services.agent.sides import (
+    FAST,
+    Deployment,
+    SideStep,
+    SourceRunners,
+    SourceSide,
+    TargetRunners,
+    TargetSide,
+    Timings,
+    stage_of,
+)
 from services.apps.box import BoxApps
 from services.apps.releases import ReleaseBook
 from services.box.instance.activator import (
@@ -81,17 +92,6 @@ from services.ledger.badobjects import BadObjects
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
 from services.move import park as parking
 from services.move.resolve import CLEAR_FAILED, decide_clear_failed_done
-from services.move.sides import (
-    FAST,
-    Deployment,
-    SideStep,
-    SourceRunners,
-    SourceSide,
-    TargetRunners,
-    TargetSide,
-    Timings,
-    stage_of,
-)
 from services.objstore.port import ObjectStore, StoreUnavailable
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases

@@ -28,13 +28,15 @@ from kernel.fsutil import atomic_write
 from kernel.ports import Clock
 from services.box.artifacts.sealing import load_private_key
 from services.box.roster import (
+    DEFAULT_FLOOR,
+    FLOOR_KEY,
     MOVES_PROTOCOL,
     DeploymentKey,
+    Floor,
     deployment_key_path,
     ensure_deployment_key,
     publish_deployment_key,
 )
-from services.door.decide import DEFAULT_FLOOR, FLOOR_KEY, Floor
 from services.objstore.port import Got, ObjectStore, StoreUnavailable
 from services.objstore.probe import conformance_probe
 

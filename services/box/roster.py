@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -48,7 +48,19 @@ ROSTER_KEY = "control/roster.json"
 DEPLOYMENT_KEY = "control/deployment.json"
 DEPLOYMENT_SECRETS_KEY = "control/secrets-key.json"
 MOVES_PROTOCOL = 1
+FLOOR_KEY = "control/moves-protocol.json"
+DEFAULT_FLOOR = 1
+"""The floor when ``control/moves-protocol.json`` is absent: a box that does not speak protocol 1
+cannot take part in a move at all (§11)."""
 _DEPLOYMENT_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class Floor(Durable, frozen=True):
+    """``control/moves-protocol.json`` (§11): ``{"min": 1, "min_release": "vX.Y.Z"}``. ``min_release``
+    binds the paths that activate an executable, not the door; it is read and carried, not checked."""
+
+    min: Annotated[int, msgspec.Meta(ge=1)]
+    min_release: str = ""
 
 
 class RosterBox(Durable, frozen=True):

@@ -16,25 +16,21 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
-from events.base import Durable, canonical
+from events.base import canonical
 from events.claim import AppRef, Claim, Op
 from events.copy import say
 from events.durable import MAX_SAFE_INTEGER, DurableValueError
 from events.record import Move, Record
 from services.apps.manifest import Release
-from services.box.roster import MOVES_PROTOCOL, Roster, RosterBox
+from services.box.roster import DEFAULT_FLOOR, FLOOR_KEY, MOVES_PROTOCOL, Floor, Roster, RosterBox
 from services.ledger.ledger import NoChange, Refusal
 
 CONSOLE_PROTOCOL = MOVES_PROTOCOL
 """The moves protocol this console speaks (§11: "the console reports its own")."""
-FLOOR_KEY = "control/moves-protocol.json"
-DEFAULT_FLOOR = 1
-"""The floor when ``control/moves-protocol.json`` is absent: a box that does not speak protocol 1
-cannot take part in a move at all (§11)."""
 
 CutMode = Literal["auto", "manual"]
 DEFAULT_CUT: CutMode = "manual"
@@ -51,14 +47,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 """A region name or a box label as the door takes them (``to``, ``box``); the OpenAPI document carries it."""
 _REGION_RE = re.compile(NAME_PATTERN)
 MAX_ECHO = 80
-
-
-class Floor(Durable, frozen=True):
-    """``control/moves-protocol.json`` (§11): ``{"min": 1, "min_release": "vX.Y.Z"}``. ``min_release``
-    binds the paths that activate an executable, not the door; it is read and carried, not checked."""
-
-    min: Annotated[int, msgspec.Meta(ge=1)]
-    min_release: str = ""
 
 
 @dataclass(frozen=True)

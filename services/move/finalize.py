@@ -46,12 +46,11 @@ from services.box.instance.sandbox import InstanceUsers, instance_dir
 from services.box.instance.stamps import ParkedArtifact, StampBook
 from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
-from services.move.follow import claim_half
+from services.move.follow import claim_half, snapshot_prefix
 from services.move.guards import live_move, step_allowed
+from services.move.lease import LeaseTiming, StagingStopped, StagingWork
 from services.move.park import Acknowledged, Parker
 from services.move.rollback import decide_target_phase
-from services.source.lease import LeaseTiming, StagingStopped, StagingWork
-from services.source.staging import snapshot_prefix
 
 log = logging.getLogger("hostmove.finalize")
 

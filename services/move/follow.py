@@ -168,3 +168,6 @@ def _release(claim: Claim, record: Record) -> Claim | NoChange | Refusal:
     source, target = op.participants
     executor = target if last.outcome == "done" else source
     return msgspec.structs.replace(claim, op=Op(kind="serving", exec=executor, participants=(executor,)))
+def snapshot_prefix(host: str, op_id: str) -> str:
+    """``move-snapshots/<host>/<op>/`` in the source region's bucket (§7.4 ``stopped``, ``archived``)."""
+    return f"move-snapshots/{host_segment(host)}/{op_id}/"

@@ -33,6 +33,7 @@ from events.record import FilesDigest, Move, MoveInputs, Record
 from kernel import rules
 from services.ledger.ledger import NoChange, Refusal
 from services.move.guards import step_allowed
+from services.move.lease import LeaseTiming
 
 rules.register(
     "source-readiness",
@@ -429,9 +430,15 @@ def plan(record: Record | None, claim: Claim | None, *, source: str, move_id: st
     return Step("flip", "flipped")
 
 
+def lease_timing(profile: TimingProfile) -> LeaseTiming:
+    """The lease's durations from a source timing profile (ARCHITECTURE §7)."""
+    return LeaseTiming(ttl_ms=profile.staging_lease_ttl_ms, skew_ms=int(profile.clock_skew_s * 1000),
+                       signature_age_ms=int(profile.signature_age_s * 1000))
+
+
 __all__ = [
     "CUT_PHASES", "FAST", "NEXT_PHASE", "PRODUCTION", "SEALED", "CutPhase", "Readiness", "Step", "TimingProfile",
     "admission_refused", "cut_deadline", "deadline_passed", "decide_admit", "decide_enter", "decide_exec_none",
     "decide_files_digest", "decide_flip", "decide_ready", "decide_seal", "decide_sealed", "decide_unarmed",
-    "not_ready", "plan",
+    "lease_timing", "not_ready", "plan",
 ]

@@ -6,7 +6,7 @@ One preparing round, from durable state only (§7.13):
    source (:func:`plan_preparing`).
 2. Journal first: the target region and box join the claim's ``touched`` by CAS before the first staging write
    (claim spec §2, K12; T9 checks it).
-3. The staging-work lease first (§7.3, claim C3; :mod:`services.source.lease`), then the claim's op and phase
+3. The staging-work lease first (§7.3, claim C3; :mod:`services.move.lease`), then the claim's op and phase
    revalidated (:func:`staging_refused`); then, push-only (M17, :class:`services.source.staging.Stager`):
    ``move.json`` create-only, ``replica/`` mirrored by exact version, and the files archive sealed to the target
    region's key whenever the files' plaintext digest changed (§7.3 "Snapshot rounds"; T5 reads it). Every request
@@ -51,10 +51,10 @@ from services.box.artifacts.sealing import PrivateKey
 from services.box.replica.layout import GenerationScope
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.guards import step_allowed
+from services.move.lease import StagingStopped, StagingWork
 from services.objstore.port import Got, ObjectStore, StoreError
 from services.source import report as launch_report
-from services.source.lease import StagingStopped, StagingWork, lease_timing
-from services.source.phases import SEALED, Readiness, TimingProfile, decide_ready, not_ready
+from services.source.phases import SEALED, Readiness, TimingProfile, decide_ready, lease_timing, not_ready
 from services.source.staging import Mirrored, MoveMarker, Stager
 from services.target.readiness import TargetReport
 from services.target.readiness import report_key as target_report_key

@@ -14,7 +14,7 @@ records (§7.3 "Seal by version"), so a stale round's later version, a pending w
 object someone else wrote is never named and the landing never reads it.
 
 **Under the staging-work lease.** Every request is preceded by :meth:`StagingWork.before_sign
-<services.source.lease.StagingWork.before_sign>` (§7.3 "Sign only before SafeUntil"); the journal is written by
+<services.move.lease.StagingWork.before_sign>` (§7.3 "Sign only before SafeUntil"); the journal is written by
 CAS, so two writers never interleave silently (a lost CAS stops the round).
 
 **Files.** ``files/archive.sealed`` and ``files/manifest.json`` are rewritten (new versions) by each preparing
@@ -34,8 +34,8 @@ import msgspec
 from events.base import Durable, Ident, canonical, decode
 from services.box.replica.layout import GenerationScope, parse_ltx_name
 from services.move.follow import host_segment, staging_lane
+from services.move.lease import StagingStopped, StagingWork
 from services.objstore.port import Got, Lost, ObjectStore, StoreError, VersionEntry, Won
-from services.source.lease import StagingStopped, StagingWork
 
 REPLICA: Final = "replica/"
 FILES: Final = "files/"
@@ -88,11 +88,6 @@ class StagedSet(Durable, frozen=True):
 def lane(host: str, op_id: str) -> str:
     """``moves/<host>/<op>/`` (§7.3), the host percent-encoded."""
     return staging_lane(host, op_id)
-
-
-def snapshot_prefix(host: str, op_id: str) -> str:
-    """``move-snapshots/<host>/<op>/`` in the source region's bucket (§7.4 ``stopped``, ``archived``)."""
-    return f"move-snapshots/{host_segment(host)}/{op_id}/"
 
 
 def journal_key(host: str, op_id: str) -> str:
@@ -345,5 +340,5 @@ class Stager:
 __all__ = [
     "ARCHIVE", "FILES", "LANDED", "MANIFEST", "PENDING", "REPLICA", "TIMERS", "TIMERS_JSON", "MirrorPlan", "Mirrored",
     "MoveMarker", "StagedObject", "StagedSet", "Stager", "StagingConflict", "create_once", "journal_key", "lane",
-    "plan_mirror", "snapshot_prefix", "tag", "with_objects",
+    "plan_mirror", "tag", "with_objects",
 ]

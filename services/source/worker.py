@@ -9,7 +9,7 @@ worker learns survives in memory: a restarted worker (a new object) continues fr
 
 Every staging effect (the timers at ``stopped``, the final mirror at ``staged``, the archive at ``archived``) takes
 the staging-work lease first, revalidates the journaled step from a fresh read, and writes push-only under
-``SafeUntil`` (§7.3, M17; :mod:`services.source.lease`, :class:`services.source.staging.Stager`).
+``SafeUntil`` (§7.3, M17; :mod:`services.move.lease`, :class:`services.source.staging.Stager`).
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ from services.box.instance.timers import drain as drain_timers
 from services.box.replica.layout import GenerationScope, list_generation
 from services.box.replica.planner import replication_position
 from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
-from services.move.follow import claim_half
+from services.move.follow import claim_half, snapshot_prefix
+from services.move.lease import StagingStopped, StagingWork
 from services.objstore.port import Got, ObjectStore, StoreError
 from services.source import phases, revert
-from services.source.lease import StagingStopped, StagingWork, lease_timing
-from services.source.phases import Readiness, Step, TimingProfile
-from services.source.staging import MoveMarker, Stager, StagingConflict, create_once, snapshot_prefix
+from services.source.phases import Readiness, Step, TimingProfile, lease_timing
+from services.source.staging import MoveMarker, Stager, StagingConflict, create_once
 
 log = logging.getLogger("hostmove.source")
 

@@ -39,8 +39,7 @@ from services.apps.manifest import SlotClass
 from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
 from services.box.deployment import below_floor, box_release, read_floor
 from services.box.instance.activator import AppUnavailable
-from services.box.roster import MOVES_PROTOCOL, read_deployment_key, read_roster
-from services.door.decide import DEFAULT_FLOOR
+from services.box.roster import DEFAULT_FLOOR, MOVES_PROTOCOL, read_deployment_key, read_roster
 from services.objstore.port import ObjectStore
 from services.source import report as launch_report
 from services.target.budget import PRODUCTION_BUDGET, BudgetTiming, Rates

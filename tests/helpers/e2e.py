@@ -2,7 +2,7 @@
 
 :func:`run_move` drives a move in one process, for the end-to-end tests, the protocol audit's tests and
 ``bench/move``: the door's request (§7.1), then each pass reads the record and the claim and takes the source's
-step and the target's step for the stage they say (:mod:`services.move.sides`, the same runners each box's agent
+step and the target's step for the stage they say (:mod:`services.agent.sides`, the same runners each box's agent
 takes on events, :mod:`services.agent.service`). It holds no state of its own, so a run after a crash reads
 everything again (ARCHITECTURE §5). A run that stops answers a :class:`MoveOutcome` saying where and why, never an
 exception for a race or a refusal (store and bus failures still raise: a read error never acts, C6).
@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from services.door.auth import Identity
-from services.door.decide import CutMode, MoveRequest
-from services.move.sides import (
+from services.agent.sides import (
     FAST,
     STAGES,
     Deployment,
@@ -27,6 +25,8 @@ from services.move.sides import (
     Timings,
     stage_of,
 )
+from services.door.auth import Identity
+from services.door.decide import CutMode, MoveRequest
 
 log = logging.getLogger("hostmove.move.e2e")
 

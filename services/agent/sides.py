@@ -34,8 +34,7 @@ from services.move import rollback
 from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
-from services.source.lease import lease_timing
-from services.source.phases import TimingProfile
+from services.source.phases import TimingProfile, lease_timing
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
 from services.source.return_install import ReturnInstall
 from services.source.reverting import RevertRunner

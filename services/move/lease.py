@@ -39,7 +39,6 @@ from kernel.timetext import utc_text
 from services.ledger.ledger import NoChange, Refusal
 from services.move.follow import host_segment
 from services.objstore.port import Got, Lost, ObjectStore
-from services.source.phases import TimingProfile
 
 log = logging.getLogger("hostmove.source.lease")
 
@@ -48,14 +47,14 @@ rules.register(
     section="§7.3 The staging-work lease (joint D4, N2); claim C3",
     meaning="every staging round, final round and staging retirement takes the shared staging-work lease "
             "(deployment bucket, keyed by target region and host) first, then revalidates the claim's op and phase",
-    site="services/source/lease.py StagingWork.acquire",
+    site="services/move/lease.py StagingWork.acquire",
 )
 rules.register(
     "sign-before-safeuntil",
     section="§7.3 Sign only before SafeUntil (model 14, CC14)",
     meaning="every staging PUT, COPY and DELETE checks now < SafeUntil = Until - skew - signature age immediately "
             "before it is signed, after any pause, and is dropped (the round stops) once past it",
-    site="services/source/lease.py StagingWork.before_sign",
+    site="services/move/lease.py StagingWork.before_sign",
 )
 
 LEASE_VERSION: Final = 1
@@ -260,13 +259,7 @@ class StagingWork:
 
 
 
-def lease_timing(profile: TimingProfile) -> LeaseTiming:
-    """The lease's durations from a source timing profile (ARCHITECTURE §7)."""
-    return LeaseTiming(ttl_ms=profile.staging_lease_ttl_ms, skew_ms=int(profile.clock_skew_s * 1000),
-                       signature_age_ms=int(profile.signature_age_s * 1000))
-
-
 __all__ = [
     "LEASE_PREFIX", "LeaseTiming", "StagingLease", "StagingStopped", "StagingWork", "decide_acquire",
-    "decide_release", "decide_renew", "lease_key", "lease_timing", "sign_refused",
+    "decide_release", "decide_renew", "lease_key", "sign_refused",
 ]
