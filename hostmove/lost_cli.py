@@ -1,0 +1,120 @@
+"""The operator's commands for boxes that are gone (spec §7.10; issue 15).
+
+    hostmove box stop --label L                      the platform stops the box's compute (cgroup.kill, or EC2)
+    hostmove box fence --label L --terminated        the termination fence, once the platform shows it terminated
+
+The platform is the compute port (:mod:`services.box.compute`), chosen by ``HOSTMOVE_COMPUTE``: ``local`` (the
+default: this machine's cgroup v2 subtrees and the platform records under ``<root>/platform/``) or ``aws`` (EC2 in
+the region and account the roster records for the box, with the operator's AWS credentials; ``HOSTMOVE_EC2_ENDPOINT``
+names another EC2 endpoint). On ``local`` the platform is this machine, so ``box fence --terminated`` terminates
+the box's machine first (kills its subtree and records it terminated); on ``aws`` the operator terminates the
+instance in EC2 and the fence only reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hostmove import exitcodes
+from hostmove.runtime import ConfigError, Runtime, Settings, load_settings, open_runtime
+from services.box.compute import BoxCompute, ComputeRefused, ComputeState, ComputeUnavailable, LocalCompute
+
+ENV_COMPUTE = "HOSTMOVE_COMPUTE"
+ENV_EC2_ENDPOINT = "HOSTMOVE_EC2_ENDPOINT"
+
+
+async def compute_port(settings: Settings, rt: Runtime) -> ComputeState:
+    """The platform this deployment's boxes run on (module docstring)."""
+    kind = os.environ.get(ENV_COMPUTE, "local")
+    if kind == "aws":
+        from services.box.compute_aws import AwsCompute
+
+        return AwsCompute(endpoint_url=os.environ.get(ENV_EC2_ENDPOINT) or None)
+    if kind != "local":
+        raise ConfigError(f"{ENV_COMPUTE} is {kind!r}: it is local or aws")
+    from services.box.roster import ensure_deployment
+
+    deployment = await ensure_deployment(rt.store, settings.bucket, rng=rt.rng, clock=rt.clock)
+    return LocalCompute(settings.root, deployment, clock=rt.clock)
+
+
+async def roster_compute(rt: Runtime, bucket: str, label: str) -> BoxCompute | None:
+    from services.box.roster import read_roster
+
+    roster, _ = await read_roster(rt.store, bucket)
+    entry = roster.box(label) if roster is not None else None
+    return BoxCompute.of(entry) if entry is not None else None
+
+
+async def box_stop(args: argparse.Namespace) -> int:
+    """``hostmove box stop --label L``: the platform stops the box (its compute, not its agent's say)."""
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    try:
+        box = await roster_compute(rt, settings.bucket, args.label)
+        if box is None:
+            print(f"box {args.label} was not stopped: it is not in the roster", file=sys.stderr)
+            return exitcodes.REFUSED
+        seen = await (await compute_port(settings, rt)).stop(box)
+    except ComputeRefused as exc:
+        print(f"box {args.label} was not stopped: {exc}", file=sys.stderr)
+        return exitcodes.REFUSED
+    except ComputeUnavailable as exc:
+        print(f"hostmove: {exc}; nothing was concluded. Try again once the platform answers", file=sys.stderr)
+        return exitcodes.UNAVAILABLE
+    finally:
+        await rt.close()
+    print(f"box {args.label} is {seen.status}: {seen.evidence}")
+    return exitcodes.OK
+
+
+async def box_fence(args: argparse.Namespace) -> int:
+    """``hostmove box fence --label L --terminated``: the fence record once the platform shows the box terminated
+    (:func:`services.box.fence.fence_box`), then the roster entry; the recovery service relocates its hosts."""
+    from services.box.fence import FenceRefused, fence_box
+    from services.box.roster import RosterRefusal
+
+    if not args.terminated:
+        print(f"box {args.label} was not fenced: fencing kills every process of the box and it never acts or "
+              "registers again; pass --terminated to confirm", file=sys.stderr)
+        return exitcodes.USAGE
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    try:
+        port = await compute_port(settings, rt)
+        box = await roster_compute(rt, settings.bucket, args.label)
+        if isinstance(port, LocalCompute) and box is not None:
+            await port.terminate(box)  # this machine is the platform: the operator's terminate, then the fence reads it
+        fence, ref = await fence_box(store=rt.store, bucket=settings.bucket, events=rt.events, clock=rt.clock,
+                                     actor=rt.actor, label=args.label, compute=port)
+    except (FenceRefused, RosterRefusal, ComputeRefused) as exc:
+        print(f"box {args.label} was not fenced: {exc}", file=sys.stderr)
+        return exitcodes.REFUSED
+    except ComputeUnavailable as exc:
+        print(f"hostmove: {exc}; nothing was fenced. Try again once the platform answers", file=sys.stderr)
+        return exitcodes.UNAVAILABLE
+    finally:
+        await rt.close()
+    print(f"box {fence.label} ({fence.region}) is fenced: {fence.evidence}. Its hosts relocate to a box of region "
+          f"{fence.region} once one is enrolled (fence {ref.key}, sha256 {ref.sha256[:12]})")
+    return exitcodes.OK
+
+
+async def run_box(args: argparse.Namespace) -> int:
+    return await {"stop": box_stop, "fence": box_fence}[args.box_action](args)
+
+
+def add_box_parsers(box_actions: Any) -> None:
+    """The ``hostmove box`` verbs of this module (``fence`` is registered in :mod:`hostmove.cli`)."""
+    st = box_actions.add_parser("stop", help="the platform stops a box's compute (evidence for --declare-lost)")
+    st.add_argument("--label", required=True)
+
+
+BOX_ACTIONS = ("stop", "fence")
+
+__all__ = ["BOX_ACTIONS", "ENV_COMPUTE", "ENV_EC2_ENDPOINT", "add_box_parsers", "box_fence", "box_stop",
+           "compute_port", "roster_compute", "run_box"]
