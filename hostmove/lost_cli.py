@@ -2,6 +2,7 @@
 
     hostmove box stop --label L                      the platform stops the box's compute (cgroup.kill, or EC2)
     hostmove box fence --label L --terminated        the termination fence, once the platform shows it terminated
+    hostmove move resolve --host H --declare-lost B  a move's target that is gone (M16, M-C18; --yes confirms)
 
 The platform is the compute port (:mod:`services.box.compute`), chosen by ``HOSTMOVE_COMPUTE``: ``local`` (the
 default: this machine's cgroup v2 subtrees and the platform records under ``<root>/platform/``) or ``aws`` (EC2 in
@@ -17,11 +18,19 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from events.copy import say
 from hostmove import exitcodes
 from hostmove.runtime import ConfigError, Runtime, Settings, load_settings, open_runtime
-from services.box.compute import BoxCompute, ComputeRefused, ComputeState, ComputeUnavailable, LocalCompute
+from services.box.compute import (
+    EVIDENCE_STATES,
+    BoxCompute,
+    ComputeRefused,
+    ComputeState,
+    ComputeUnavailable,
+    LocalCompute,
+)
 
 ENV_COMPUTE = "HOSTMOVE_COMPUTE"
 ENV_EC2_ENDPOINT = "HOSTMOVE_EC2_ENDPOINT"
@@ -104,6 +113,61 @@ async def box_fence(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def add_declare_lost(resolve: Any) -> None:
+    """``hostmove move resolve --host H --declare-lost BOX [--yes]`` (its runner: :func:`run_declare_lost`)."""
+    resolve.add_argument("--declare-lost", metavar="BOX", help="a participant that is gone: the platform must show "
+                         "it stopped or terminated; its writes since the flip are lost (§7.10)")
+    resolve.add_argument("--yes", action="store_true", help="confirm what --declare-lost says is lost (scripts)")
+
+
+async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err: TextIO) -> int:
+    """Ask the platform first (the operator's credentials), then the door; the M-C18 confirmation, asked on a
+    terminal and given by ``--yes``. A running box is refused here and nothing is sent."""
+    from hostmove.move_cli import not_ok
+
+    box_label = args.declare_lost
+    try:
+        settings = load_settings(Path(args.root))
+        rt = await open_runtime(settings, "cli", probe=False)
+    except ConfigError as exc:
+        print(f"hostmove move resolve: {exc}", file=err)
+        return exitcodes.USAGE
+    try:
+        box = await roster_compute(rt, settings.bucket, box_label)
+        if box is None:
+            print(say("M-R23", box=box_label), file=err)
+            return exitcodes.REFUSED
+        seen = await (await compute_port(settings, rt)).observe(box)
+    except ComputeRefused as exc:
+        print(f"{box_label} was not declared lost: {exc}. Nothing was changed.", file=err)
+        return exitcodes.REFUSED
+    except ComputeUnavailable as exc:
+        print(f"hostmove: {exc}; nothing was sent. Try again once the platform answers", file=err)
+        return exitcodes.UNAVAILABLE
+    finally:
+        await rt.close()
+    if seen.status not in EVIDENCE_STATES:
+        print(say("M-R75", box=box_label, status=seen.status), f"({seen.evidence})", file=err)
+        return exitcodes.REFUSED
+    compute = {"status": seen.status, "evidence": seen.evidence}
+    reply = await door.declare_lost(args.host, box_label, compute, confirmed=bool(args.yes))
+    if not reply.ok and reply.body.get("error") == "confirm":
+        sentence = str(reply.body.get("confirm", ""))
+        if not sys.stdin.isatty():
+            print(reply.reason, file=err)
+            return exitcodes.REFUSED
+        print(sentence, file=out)
+        answer = input(f"Type {box_label} to declare it lost: ").strip()
+        if answer != box_label:
+            print(f"{box_label} was not declared lost. Nothing was changed.", file=err)
+            return exitcodes.REFUSED
+        reply = await door.declare_lost(args.host, box_label, compute, confirmed=True)
+    if not reply.ok:
+        return int(not_ok(reply, err))
+    print(str(reply.body.get("message", "")), file=out)
+    return exitcodes.OK
+
+
 async def run_box(args: argparse.Namespace) -> int:
     return await {"stop": box_stop, "fence": box_fence}[args.box_action](args)
 
@@ -116,5 +180,5 @@ def add_box_parsers(box_actions: Any) -> None:
 
 BOX_ACTIONS = ("stop", "fence")
 
-__all__ = ["BOX_ACTIONS", "ENV_COMPUTE", "ENV_EC2_ENDPOINT", "add_box_parsers", "box_fence", "box_stop",
-           "compute_port", "roster_compute", "run_box"]
+__all__ = ["BOX_ACTIONS", "ENV_COMPUTE", "ENV_EC2_ENDPOINT", "add_box_parsers", "add_declare_lost", "box_fence",
+           "box_stop", "compute_port", "roster_compute", "run_box", "run_declare_lost"]

@@ -33,7 +33,8 @@ ACCOUNT = "123456789012"  # moto's account
 
 
 class Platform(Protocol):
-    port: ComputeState
+    @property
+    def port(self) -> ComputeState: ...
 
     def running(self) -> BoxCompute: ...
     async def terminate(self, box: BoxCompute) -> None: ...

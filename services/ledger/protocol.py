@@ -39,7 +39,7 @@ from typing import Final, Literal
 
 from events.claim import Claim, Op
 from events.envelope import Transition
-from events.record import Move, Record
+from events.record import Move, Record, Rollback
 
 Severity = Literal["error", "notice"]
 Rule = Literal[
@@ -176,6 +176,16 @@ def _next(phases: tuple[str, ...], phase: str) -> str:
         return phases[0]
     i = phases.index(phase) if phase in phases else len(phases)
     return phases[i + 1] if i + 1 < len(phases) else ""
+
+
+LOSSES_PREFIX = "control/losses/"
+"""Where a ``--declare-lost`` declaration lives (``services.move.lost.LOSSES_PREFIX``, spec §7.10)."""
+
+
+def _declared_lost(rb: Rollback) -> bool:
+    """A rollback whose target was declared lost (§7.10): its evidence is the declaration, its target ``cleaned``
+    for want of a box, the rollback clean, all in the declaration's one record CAS."""
+    return rb.evidence.startswith(LOSSES_PREFIX) and rb.target_phase == "cleaned" and not rb.dirty
 
 
 def _next_target_phase(phase: str, dirty: bool) -> str:
@@ -347,14 +357,16 @@ class ProtocolCheck:
             if (before.state, after.state) != ("landing", "rolling_back"):
                 bad("rollback-phase", f"rollback {rb1.id} appeared with the move {before.state} -> {after.state}; a "
                     "rollback is the landing's CAS to rolling_back (§7.8)")
-            elif rb1.target_phase or rb1.source_phase:
+            elif (rb1.target_phase or rb1.source_phase) and not _declared_lost(rb1):
                 bad("rollback-phase", f"rollback {rb1.id} appeared with its phases already started")
             return
         if rb0.id != rb1.id:
             bad("rollback-phase", f"rollback {rb0.id} became {rb1.id}; a move rolls back once (§7.8)")
             return
         t0, t1 = rb0.target_phase, rb1.target_phase
-        if t0 != t1:
+        if t0 != t1 and _declared_lost(rb1) and not _declared_lost(rb0):
+            pass  # §7.10: the declaration stands for the lost target's every remaining phase
+        elif t0 != t1:
             want = _next_target_phase(t0, rb1.dirty)
             if t1 != want:
                 bad("rollback-phase", f"target_phase went {t0 or '(none)'} -> {t1}; after {t0 or '(none)'} a "
