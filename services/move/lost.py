@@ -171,7 +171,7 @@ def decide_declared_claim(claim: Claim | None, record: Record | None, decl: Loss
     Idempotent."""
     if claim is None or claim.holder is None or record is None or record.move is None:
         raise NotLegal(409, "M-R19", host=decl.host)
-    followed = claim_half(claim, record)
+    followed = claim_half(claim, record) if decl.kind != "local-only" else None  # local-only: nothing else changes
     current = followed if isinstance(followed, Claim) else claim
     op = current.op
     if op.id != decl.move:
