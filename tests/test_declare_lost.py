@@ -32,6 +32,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
 from kernel.timetext import utc_text
+from services.box.fence import read_fence
 from services.door.api import Door, make_app
 from services.door.auth import Identity, TokenSet
 from services.door.declare import DeclareLost, declare_lost
@@ -39,6 +40,7 @@ from services.ledger.audit import run_audit
 from services.move.lost import LossDeclaration, loss_key
 from services.objstore.port import Got
 from services.objstore.s3 import S3Store
+from services.recovery.recovery import RecoveryPass
 from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
 from tests.test_agent import APP, closed_on_ie, create_and_write, request_move, serving_port
 
@@ -149,6 +151,57 @@ async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves
 
         port = await serving_port(w, "ie", host, timeout_s=60)
         assert await asyncio.to_thread(post_write, port, "after-declare-lost")  # it serves and takes writes again
+        logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
+        check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
+        assert check.ok, check.line()
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_fenced_target_before_the_commit_is_evidence_with_no_operator(
+        stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+        tmp_path: Path) -> None:
+    """§7.10 (L14): the target's machine is terminated after its probe started and fenced (``hostmove box fence``
+    reads the platform: terminated). The console's recovery pass rolls the move back clean through the declared-loss
+    path, the fence record as the rollback's evidence and its reference in ``op.journal``; no operator declares
+    anything. The host serves on ie again with the fenced session declared and nothing else missing."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"uk": {ENV: "after_effects:probing"}}) as w:
+        host = f"{unique('ft')}.example.com"
+        ie, uk = w.labels["ie"], w.labels["uk"]
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        target = w.agents["uk"]
+
+        async def died() -> bool:
+            return not target.alive()
+
+        await eventually(died, "the target's death after its probe started", 90)
+        fenced = await cli(stack, w, "http://127.0.0.1:9", "box", "fence", "--label", uk, "--terminated")
+        assert fenced.returncode == 0 and "terminated" in fenced.stdout, fenced
+        got = await read_fence(store, w.deploy, uk)
+        assert got is not None
+        _fence, ref = got
+        report = await RecoveryPass(w.ledger, w.events).run_once()
+        assert any("is fenced" in line for line in report.claim_halves), report
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        if record is not None and record.move is not None:  # the source may already have closed it
+            assert record.move.rollback is not None and record.move.rollback.evidence == ref.key
+        assert claim is not None and claim.op.journal.get(f"fence.{uk}") == ref.journal()
+        assert claim.op.journal.get(f"loss.{uk}") == ref.journal() and [b.box for b in claim.lost] == [uk]
+        assert (await RecoveryPass(w.ledger, w.events).run_once()).errors == [], "a second pass changes nothing"
+
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
+        assert back.writes_lost is not None and back.writes_lost.box == uk and back.coverage == "", back
+        port = await serving_port(w, "ie", host, timeout_s=60)
+        assert await asyncio.to_thread(post_write, port, "after-the-fence")
+        declared_list = await declared_losses(w.events, host)
         logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
         check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
         assert check.ok, check.line()

@@ -17,6 +17,7 @@ box's cgroup subtree ``hostmove/<deployment>/<box>`` and its platform record), o
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import quote
@@ -29,7 +30,7 @@ from events.base import Durable, Ident, Millis, canonical, decode
 from events.envelope import Actor
 from kernel.ports import Clock
 from services.box.compute import BoxCompute, ComputeRefused, ComputeState
-from services.box.roster import Roster, RosterRefusal, read_roster, update_roster
+from services.box.roster import Roster, RosterBox, RosterRefusal, read_roster, update_roster
 from services.objstore.port import Got, ObjectStore
 
 FENCES_PREFIX = "control/box-fences/"
@@ -78,13 +79,20 @@ async def read_fence(store: ObjectStore, bucket: str, label: str) -> tuple[BoxFe
     return fence, FenceRef(label, fence.enrollment, key, hashlib.sha256(got.body).hexdigest())
 
 
-def verify_ref(ref: dict[str, object], fence: tuple[BoxFence, FenceRef] | None) -> str | None:
-    """Why a cited fence reference does not hold (re-read: same key, same bytes, same enrollment), or None."""
+def verify_ref(ref: Mapping[str, object], fence: tuple[BoxFence, FenceRef] | None,
+               entry: RosterBox | None = None) -> str | None:
+    """Why a cited fence reference does not hold, or None (§7.10 "The fence reference": every consumer re-reads the
+    record at ``key`` and requires its digest to equal ``sha256`` and its enrollment to be the cited one and, given
+    the roster's ``entry`` for the box, the roster's)."""
     if fence is None:
         return "the cited fence does not exist"
-    _record, current = fence
-    if ref != current.journal():
+    record, current = fence
+    if dict(ref) != current.journal():
         return f"the cited fence of {current.label} is not the one at {current.key} now"
+    if entry is not None and (entry.label != record.label or entry.region != record.region
+                              or enrollment_of(entry.secrets_key_fp, entry.registered_at) != record.enrollment):
+        return (f"the fence at {current.key} names enrollment {record.enrollment} in {record.region}, not the "
+                f"roster's box {entry.label}")
     return None
 
 

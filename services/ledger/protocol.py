@@ -178,14 +178,15 @@ def _next(phases: tuple[str, ...], phase: str) -> str:
     return phases[i + 1] if i + 1 < len(phases) else ""
 
 
-LOSSES_PREFIX = "control/losses/"
-"""Where a ``--declare-lost`` declaration lives (``services.move.lost.LOSSES_PREFIX``, spec §7.10)."""
+LOSSES_PREFIXES = ("control/losses/", "control/box-fences/")
+"""Where a ``--declare-lost`` declaration (``services.move.lost.LOSSES_PREFIX``) or a termination fence
+(``services.box.fence.FENCES_PREFIX``) lives: a lost target's evidence (spec §7.10)."""
 
 
 def _declared_lost(rb: Rollback) -> bool:
     """A rollback whose target was declared lost (§7.10): its evidence is the declaration, its target ``cleaned``
     for want of a box, the rollback clean, all in the declaration's one record CAS."""
-    return rb.evidence.startswith(LOSSES_PREFIX) and rb.target_phase == "cleaned" and not rb.dirty
+    return rb.evidence.startswith(LOSSES_PREFIXES) and rb.target_phase == "cleaned" and not rb.dirty
 
 
 def _next_target_phase(phase: str, dirty: bool) -> str:
