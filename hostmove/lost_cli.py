@@ -2,6 +2,7 @@
 
     hostmove box stop --label L                      the platform stops the box's compute (cgroup.kill, or EC2)
     hostmove box fence --label L --terminated        the termination fence, once the platform shows it terminated
+    hostmove box readmit --label L                   a box declared lost, quarantined since: eligible again
     hostmove move resolve --host H --declare-lost B  a move's target that is gone (M16, M-C18; --yes confirms)
 
 The platform is the compute port (:mod:`services.box.compute`), chosen by ``HOSTMOVE_COMPUTE``: ``local`` (the
@@ -168,17 +169,71 @@ async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err
     return exitcodes.OK
 
 
+async def box_readmit(args: argparse.Namespace) -> int:
+    """``hostmove box readmit --label L`` (operator-only): the box off the ``lost`` list of every host it was declared
+    lost for, each only once the box retired its local state of it (:func:`services.box.quarantine.
+    decide_readmit_claim`). A fenced box is never readmitted."""
+    from urllib.parse import unquote
+
+    from services.box.quarantine import CLAIMS_PREFIX, decide_readmit_claim
+    from services.box.roster import read_roster
+    from services.ledger.ledger import Committed, Refusal
+
+    label = args.label
+    settings = load_settings(Path(args.root))
+    rt = await open_runtime(settings, "cli", probe=False)
+    readmitted: list[str] = []
+    refused: list[str] = []
+    try:
+        roster, _ = await read_roster(rt.store, settings.bucket)
+        entry = roster.box(label) if roster is not None else None
+        if entry is None:
+            print(f"box {label} was not readmitted: it is not in the roster", file=sys.stderr)
+            return exitcodes.REFUSED
+        if entry.fenced_at is not None:
+            print(f"box {label} was not readmitted: it was fenced (its machine was terminated), and a terminated "
+                  "enrollment is never readmitted; enroll a replacement under a new label", file=sys.stderr)
+            return exitcodes.REFUSED
+        for key in await rt.store.list_keys(settings.bucket, CLAIMS_PREFIX):
+            if not key.endswith(".json"):
+                continue
+            host = unquote(key[len(CLAIMS_PREFIX):-5])
+            claim = (await rt.ledger.read_claim(host)).state
+            if claim is None or not any(b.box == label for b in claim.lost):
+                continue
+            out = await rt.ledger.transition("claim", host, "box-readmitted",
+                                             lambda cur: decide_readmit_claim(cur, label), causation="operator")
+            if isinstance(out, Committed):
+                readmitted.append(host)
+            elif isinstance(out, Refusal):
+                refused.append(out.reason)
+            else:
+                refused.append(f"{host} kept changing; run it again")
+    finally:
+        await rt.close()
+    for why in refused:
+        print(f"box {label}: {why}", file=sys.stderr)
+    if not readmitted and not refused:
+        print(f"box {label} was not readmitted: no host lists it lost; there is nothing to readmit", file=sys.stderr)
+        return exitcodes.REFUSED
+    if readmitted:
+        print(f"box {label} is readmitted for {', '.join(readmitted)}: it may be chosen for them again")
+    return exitcodes.REFUSED if refused else exitcodes.OK
+
+
 async def run_box(args: argparse.Namespace) -> int:
-    return await {"stop": box_stop, "fence": box_fence}[args.box_action](args)
+    return await {"stop": box_stop, "fence": box_fence, "readmit": box_readmit}[args.box_action](args)
 
 
 def add_box_parsers(box_actions: Any) -> None:
     """The ``hostmove box`` verbs of this module (``fence`` is registered in :mod:`hostmove.cli`)."""
     st = box_actions.add_parser("stop", help="the platform stops a box's compute (evidence for --declare-lost)")
     st.add_argument("--label", required=True)
+    ra = box_actions.add_parser("readmit", help="a box declared lost that quarantined itself: eligible again")
+    ra.add_argument("--label", required=True)
 
 
-BOX_ACTIONS = ("stop", "fence")
+BOX_ACTIONS = ("stop", "fence", "readmit")
 
 __all__ = ["BOX_ACTIONS", "ENV_COMPUTE", "ENV_EC2_ENDPOINT", "add_box_parsers", "add_declare_lost", "box_fence",
-           "box_stop", "compute_port", "roster_compute", "run_box", "run_declare_lost"]
+           "box_readmit", "box_stop", "compute_port", "roster_compute", "run_box", "run_declare_lost"]

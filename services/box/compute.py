@@ -187,16 +187,6 @@ class LocalCompute:
         """The platform terminates the machine: killed as by :meth:`stop`, recorded ``terminated`` for good."""
         return await self._set(box, "terminated")
 
-    async def start(self, box: BoxCompute) -> None:
-        """The platform starts a stopped machine again (its record says ``running``); a terminated one never."""
-        record = self._record(box.label)
-        if record is not None and record.get("state") == "terminated":
-            raise ComputeRefused(f"box {box.label} was terminated; a terminated machine never runs again")
-        path = platform_record(self.root, self.deployment, box.label)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps({"label": box.label, "enrollment": box.enrollment, "state": "running",
-                                       "at": self.clock.now_ms()}).encode())
-
 
 __all__ = ["EVIDENCE_STATES", "BoxCompute", "ComputeObservation", "ComputeRefused", "ComputeState", "ComputeStatus",
            "ComputeUnavailable", "LocalCompute", "platform_record"]
