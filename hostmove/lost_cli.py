@@ -65,29 +65,32 @@ async def box_stop(args: argparse.Namespace) -> int:
     settings = load_settings(Path(args.root))
     rt = await open_runtime(settings, "cli", probe=False)
     try:
-        box = await roster_compute(rt, settings.bucket, args.label)
+        return await stop_box(rt, args.label)
+    finally:
+        await rt.close()
+
+
+async def stop_box(rt: Runtime, label: str) -> int:
+    """:func:`box_stop` on an open runtime (the rehearsal's too)."""
+    try:
+        box = await roster_compute(rt, rt.settings.bucket, label)
         if box is None:
-            print(f"box {args.label} was not stopped: it is not in the roster", file=sys.stderr)
+            print(f"box {label} was not stopped: it is not in the roster", file=sys.stderr)
             return exitcodes.REFUSED
-        seen = await (await compute_port(settings, rt)).stop(box)
+        seen = await (await compute_port(rt.settings, rt)).stop(box)
     except ComputeRefused as exc:
-        print(f"box {args.label} was not stopped: {exc}", file=sys.stderr)
+        print(f"box {label} was not stopped: {exc}", file=sys.stderr)
         return exitcodes.REFUSED
     except ComputeUnavailable as exc:
         print(f"hostmove: {exc}; nothing was concluded. Try again once the platform answers", file=sys.stderr)
         return exitcodes.UNAVAILABLE
-    finally:
-        await rt.close()
-    print(f"box {args.label} is {seen.status}: {seen.evidence}")
+    print(f"box {label} is {seen.status}: {seen.evidence}")
     return exitcodes.OK
 
 
 async def box_fence(args: argparse.Namespace) -> int:
     """``hostmove box fence --label L --terminated``: the fence record once the platform shows the box terminated
     (:func:`services.box.fence.fence_box`), then the roster entry; the recovery service relocates its hosts."""
-    from services.box.fence import FenceRefused, fence_box
-    from services.box.roster import RosterRefusal
-
     if not args.terminated:
         print(f"box {args.label} was not fenced: fencing kills every process of the box and it never acts or "
               "registers again; pass --terminated to confirm", file=sys.stderr)
@@ -95,20 +98,29 @@ async def box_fence(args: argparse.Namespace) -> int:
     settings = load_settings(Path(args.root))
     rt = await open_runtime(settings, "cli", probe=False)
     try:
-        port = await compute_port(settings, rt)
-        box = await roster_compute(rt, settings.bucket, args.label)
+        return await fence_terminated(rt, args.label)
+    finally:
+        await rt.close()
+
+
+async def fence_terminated(rt: Runtime, label: str) -> int:
+    """:func:`box_fence` on an open runtime (the rehearsal's too), once the operator confirmed ``--terminated``."""
+    from services.box.fence import FenceRefused, fence_box
+    from services.box.roster import RosterRefusal
+
+    try:
+        port = await compute_port(rt.settings, rt)
+        box = await roster_compute(rt, rt.settings.bucket, label)
         if isinstance(port, LocalCompute) and box is not None:
             await port.terminate(box)  # this machine is the platform: the operator's terminate, then the fence reads it
-        fence, ref = await fence_box(store=rt.store, bucket=settings.bucket, events=rt.events, clock=rt.clock,
-                                     actor=rt.actor, label=args.label, compute=port)
+        fence, ref = await fence_box(store=rt.store, bucket=rt.settings.bucket, events=rt.events, clock=rt.clock,
+                                     actor=rt.actor, label=label, compute=port)
     except (FenceRefused, RosterRefusal, ComputeRefused) as exc:
-        print(f"box {args.label} was not fenced: {exc}", file=sys.stderr)
+        print(f"box {label} was not fenced: {exc}", file=sys.stderr)
         return exitcodes.REFUSED
     except ComputeUnavailable as exc:
         print(f"hostmove: {exc}; nothing was fenced. Try again once the platform answers", file=sys.stderr)
         return exitcodes.UNAVAILABLE
-    finally:
-        await rt.close()
     print(f"box {fence.label} ({fence.region}) is fenced: {fence.evidence}. Its hosts relocate to a box of region "
           f"{fence.region} once one is enrolled (fence {ref.key}, sha256 {ref.sha256[:12]})")
     return exitcodes.OK
@@ -127,12 +139,13 @@ async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err
     from hostmove.move_cli import not_ok
 
     box_label = args.declare_lost
+    given: Runtime | None = getattr(args, "runtime", None)  # the rehearsal's own, already open
     try:
-        settings = load_settings(Path(args.root))
-        rt = await open_runtime(settings, "cli", probe=False)
+        rt = given or await open_runtime(load_settings(Path(args.root)), "cli", probe=False)
     except ConfigError as exc:
         print(f"hostmove move resolve: {exc}", file=err)
         return exitcodes.USAGE
+    settings = rt.settings
     try:
         box = await roster_compute(rt, settings.bucket, box_label)
         if box is None:
@@ -146,7 +159,8 @@ async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err
         print(f"hostmove: {exc}; nothing was sent. Try again once the platform answers", file=err)
         return exitcodes.UNAVAILABLE
     finally:
-        await rt.close()
+        if given is None:
+            await rt.close()
     if seen.status not in EVIDENCE_STATES:
         print(say("M-R75", box=box_label, status=seen.status), f"({seen.evidence})", file=err)
         return exitcodes.REFUSED
@@ -236,4 +250,5 @@ def add_box_parsers(box_actions: Any) -> None:
 BOX_ACTIONS = ("stop", "fence", "readmit")
 
 __all__ = ["BOX_ACTIONS", "ENV_COMPUTE", "ENV_EC2_ENDPOINT", "add_box_parsers", "add_declare_lost", "box_fence",
-           "box_readmit", "box_stop", "compute_port", "roster_compute", "run_box", "run_declare_lost"]
+           "box_readmit", "box_stop", "compute_port", "fence_terminated", "roster_compute", "run_box",
+           "run_declare_lost", "stop_box"]
