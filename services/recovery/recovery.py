@@ -55,7 +55,13 @@ from services.move.lost import (
 )
 from services.move.rollback import decide_deadline_rollback
 from services.objstore.port import StoreError, StoreUnavailable
-from services.recovery.relocation import PINNING, decide_fence_host, decide_relocation_target
+from services.recovery.relocation import (
+    PINNING,
+    decide_converted_record,
+    decide_fence_converts_moving,
+    decide_fence_host,
+    decide_relocation_target,
+)
 from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.recovery")
@@ -228,6 +234,9 @@ class RecoveryPass:
         elif op.kind in MOVE_KINDS and len(op.participants) == 2 and op.participants[1] in self._fenced and (
                 await self._fenced_target(host, claim, report)):
             return
+        elif op.kind == "moving" and len(op.participants) == 2 and op.participants[0] in self._fenced and (
+                converted := await self._fenced_source(host, claim, report)) is not None:
+            claim, op = converted, converted.op
         elif op.kind != "relocating" and self._fenced & {op.exec, *op.participants}:
             await self._alert_once(host, op.id or op.kind, "fenced-box-in-operation",
                                    {"kind": op.kind, "boxes": sorted(self._fenced & {op.exec, *op.participants})},
@@ -255,6 +264,38 @@ class RecoveryPass:
             report.claim_halves.append(f"{host}: relocating/installing on {box}")
         elif isinstance(out, Refusal):
             report.errors.append(f"{host}: {out.reason}")
+
+    async def _fenced_source(self, host: str, claim: Claim, report: PassReport) -> Claim | None:
+        """§7.10 (rule ``fence-converts-moving``): a source fenced before the flip converts the move to a
+        relocation at ``pinning`` in one claim CAS, then the record closes ``aborted``; None when it is not
+        converted (past the flip: alerted as before)."""
+        source = claim.op.participants[0]
+        fenced = await self._fence(source)
+        if fenced is None:
+            return None
+        fence, ref = fenced
+        record = (await self.ledger.read_record(host)).state
+        entry = self._roster.box(source) if self._roster is not None else None
+        now = self.ledger.clock.now_ms()
+
+        def convert(cur: Claim | None) -> Claim | NoChange | Refusal:
+            why = verify_ref(ref.journal(), fenced, entry)
+            return Refusal(why) if why is not None else decide_fence_converts_moving(cur, record, ref, fence.region,
+                                                                                     now)
+
+        out = await self.ledger.transition("claim", host, "fence-converts-moving", convert, causation="recovery")
+        if isinstance(out, Refusal):
+            return None
+        current = out.state if isinstance(out, Committed) else (await self.ledger.read_claim(host)).state
+        if current is None or current.op.kind != "relocating":
+            return None
+        if isinstance(out, Committed):
+            report.claim_halves.append(f"{host}: relocating/pinning (its source {source} was fenced before the flip)")
+        op_id = current.op.id
+        reason = f"the source {source} was fenced before the flip ({ref.key}); the move became a relocation"
+        await self.ledger.transition("record", host, "move-aborted", lambda cur: decide_converted_record(
+            cur, op_id, reason, now), causation="recovery")
+        return current
 
     async def _fenced_target(self, host: str, claim: Claim, report: PassReport) -> bool:
         """§7.10 (L14): a move's fenced target is the evidence ``--declare-lost`` would have supplied, with no
