@@ -1,5 +1,5 @@
-"""``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry|declare-lost|fenced-target`` (spec
-§14.4; issue 13 item 6, issue 15 item 7).
+"""``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry|declare-lost|fenced-target|
+fenced-source`` (spec §14.4; issue 13 item 6, issue 15 item 7).
 
 The rehearsal runs on the embedded stack as ``make demo`` does: the door, the recovery pass and one agent per box as
 their own processes, ``moveprobe`` published as an app release and writing throughout (a background row every
@@ -25,6 +25,10 @@ target region (``MOVEPROBE_FAIL_READY_IN``, before or after writing). It prints 
 | ``fenced-target``  | the same death; ``hostmove box fence           | ``rolled_back`` clean citing the fence, no  |
 |                    | --terminated`` and nothing else                | operator; a replacement box enrolls and     |
 |                    |                                                | sweeps its region                           |
+| ``fenced-source``  | none: a manual move waits at ``ready``; the    | ``aborted``: converted to a relocation at   |
+|                    | source's machine is terminated and fenced      | pinning, waiting for a box in the source's  |
+|                    |                                                | one-box region; a replacement enrolls and   |
+|                    |                                                | serves it with every durable write          |
 
 After a rollback the checks run on the source (the region that kept the host): the key verifies, every timer ran
 once, no acknowledged row of either box is missing, nothing of the host is left live in the target region, and the
@@ -49,6 +53,7 @@ import msgspec
 
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events.base import decode
+from events.copy import say
 from events.envelope import Transition
 from hostmove import exitcodes, move_cli
 from hostmove.demo import choose_boxes
@@ -71,7 +76,8 @@ from services.box.roster import BoxInit, ensure_deployment, init_box
 from services.door.auth import token_digest
 from services.move.follow import host_segment
 
-SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry", "declare-lost", "fenced-target")
+SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry", "declare-lost", "fenced-target",
+                    "fenced-source")
 LOST: Final = ("declare-lost", "fenced-target")
 """The scenarios of §7.10 (issue 15 item 7): the target box is gone after its probe started."""
 DIES: Final = "after_effects:probing"
@@ -100,7 +106,8 @@ class Outcome:
     def expected(self) -> tuple[str, bool]:
         return {"move": ("done", False), "clean-rollback": ("rolled_back", False),
                 "dirty-rollback": ("rolled_back", False), "stuck-retry": ("rolled_back", True),
-                "declare-lost": ("rolled_back", False), "fenced-target": ("rolled_back", False)}[self.scenario]
+                "declare-lost": ("rolled_back", False), "fenced-target": ("rolled_back", False),
+                "fenced-source": ("aborted", False)}[self.scenario]
 
     @property
     def ok(self) -> bool:
@@ -251,6 +258,8 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
         if scenario == "stuck-retry":
             switch.touch(mode=0o644)
             out(f"   the fail switch is on ({switch} exists): {uk.region} and {ie.region} both fail readiness now")
+        if scenario == "fenced-source":
+            return await _fenced_source(rt, ie, uk, host, environ, agents, services_env, out)
         out(f"   hostmove move --host {host} --to {uk.region}")
         args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=scenario not in LOST,
                                   until="closed", timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
@@ -363,6 +372,82 @@ async def _sweeper_back(rt: Runtime, uk: BoxInit, scenario: str, host: str, agen
         await _until_async(swept, f"{uk.region}'s sweep of {host}", 180)
     except TimeoutError:
         out(f"   {uk.region} still holds objects of {host} (the check below says which)")
+
+
+async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, environ: dict[str, str],
+                         agents: dict[str, ServiceProc], services_env: Callable[[], dict[str, str]],
+                         out: Callable[[str], None]) -> Outcome:
+    """§7.10 rev 7.20: a source terminated before its flip. The move waits at ``ready`` (a manual cut); the source's
+    machine is terminated and fenced; the recovery service converts the move to a relocation at ``pinning`` in
+    one CAS; the one-box region waits for a box; a replacement enrolls and serves the host."""
+    from hostmove import lost_cli
+
+    scenario = "fenced-source"
+    out(f"   hostmove move --host {host} --to {uk.region} --manual-cut --no-wait")
+    args = argparse.Namespace(host=host, to=uk.region, manual_cut=True, wait=False, until="closed",
+                              timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
+    await move_cli.run(args, environ=environ)
+
+    async def state(want: str) -> bool | None:
+        record = (await rt.ledger.read_record(host)).state
+        return True if record is not None and record.move is not None and record.move.state == want else None
+
+    await _until_async(lambda: state("ready"), "the move at ready", MOVE_TIMEOUT_S)
+    before = (await rt.ledger.read_claim(host)).state
+    move_id = before.op.id if before is not None else ""
+    out(f"   move {move_id} is ready; {ie.label}'s machine is terminated: hostmove box fence --label {ie.label} "
+        "--terminated")
+    if await lost_cli.fence_terminated(rt, ie.label) != exitcodes.OK:
+        return Outcome(scenario, host, move_id, "", False, why=f"{ie.label} could not be fenced")
+
+    async def pinned() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and (claim.op.kind, claim.op.phase) == ("relocating", "pinning") else None
+
+    await _until_async(pinned, "the conversion to a relocation at pinning", 120)
+    out(f"   {say('M-C22', host=host, region=ie.region)}")
+    label = f"{ie.label}-r{rt.rng.token_bytes(2).hex()}"
+    box = await init_box(root=rt.settings.root, label=label, region=ie.region, store=rt.store,
+                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
+    agent = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label", label)
+    agent.start()
+    agents[label] = agent
+    out(f"   a replacement box {label} enrolls in {ie.region}")
+
+    async def serving() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
+
+    await _until_async(serving, f"{host} serving on {label}", MOVE_TIMEOUT_S)
+    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
+    after = await asyncio.to_thread(post_write, port, f"written on {label}")
+    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    record = (await rt.ledger.read_record(host)).state
+    ended = record.last_move.outcome if record is not None and record.last_move is not None and (
+        record.last_move.id == move_id) else ""
+    lane = f"moves/{host_segment(host)}/"
+
+    async def lane_swept() -> bool | None:  # the move's staging lane in the target region (rule sweep-staging)
+        return True if not await rt.store.list_keys(region_bucket(uk.region), lane) else None
+
+    try:
+        await _until_async(lane_swept, f"{uk.region}'s sweep of the move's staging lane", 180)
+    except TimeoutError:
+        out(f"   {uk.region} still holds the move's staging lane (the check below says which)")
+    root = rt.settings.root
+    shown = await checks(
+        events=rt.events, store=rt.store, host=host, port=port, target_db=box.box_dir / "data" / f"{host}.db",
+        ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label, f"{ie.region}-r": label}),
+        left_bucket=region_bucket(uk.region), left_local=[uk.box_dir / "data" / f"{host}.db"],
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=1)  # the fence killed the source's agent mid-run
+    converted = ""
+    async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):
+        t = decode(m.data, Transition)
+        if t.meta.name == "fence-converts-moving" and t.claim is not None:
+            converted = f"{t.claim.op.kind}/{t.claim.op.phase}, exec {t.claim.op.exec}, op {t.claim.op.id}"
+    shown.append(Check("the move became a relocation at pinning in one CAS citing the fence",
+                       converted == f"relocating/pinning, exec none, op {move_id}", converted or "no such transition"))
+    return Outcome(scenario, host, move_id, ended, False, [], shown)
 
 
 async def _until_async(check: Callable[[], Awaitable[bool | None]], what: str, timeout_s: float) -> None:

@@ -36,7 +36,8 @@ def test_each_scenario_sets_its_fail_switch(tmp_path: Path) -> None:
     ("dirty-rollback", "rolled_back", False, True), ("stuck-retry", "rolled_back", False, False),
     ("stuck-retry", "rolled_back", True, True),
     ("declare-lost", "rolled_back", False, True), ("fenced-target", "rolled_back", False, True),
-    ("fenced-target", "", False, False),
+    ("fenced-target", "", False, False), ("fenced-source", "aborted", False, True),
+    ("fenced-source", "rolled_back", False, False),
 ])
 def test_the_exit_code_is_0_only_when_the_scenario_ended_as_it_must(scenario: str, ended: str, stuck: bool,
                                                                     ok: bool) -> None:
