@@ -147,6 +147,9 @@ class LostBox(Durable, frozen=True):
     box: Ident
     fence: str = ""
     at: Millis | None = None
+    retired_at: Millis | None = None
+    """The box, started again, retired every local artifact of this host (its quarantine, §7.10): only then may an
+    operator readmit it (``hostmove box readmit``)."""
 
 
 class Claim(Durable, frozen=True):

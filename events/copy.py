@@ -135,6 +135,32 @@ COPY: dict[str, Copy] = _table(
     ("M-R37", "door",
      "The object store (S3) did not answer about {what}. Try again once it is back: repeating the request is safe "
      "and shows where it stands."),
+    # boxes that are gone: --declare-lost (§7.10, issue 15)
+    ("M-R70", "door",
+     "{box} is not a participant of move {move_id} of {host} (its source is {source}, its target {target}). "
+     "Nothing was changed."),
+    ("M-R71", "door",
+     "{box} is the source of move {move_id} of {host}, and a source is never declared lost: before the flip a "
+     "terminated source is fenced (hostmove box fence), after it {host} runs on the target. Nothing was changed."),
+    ("M-R72", "door",
+     "Move {move_id} of {host} was committed, so {host} belongs to {box} now and the move cannot declare it lost. "
+     "Fence {box} (hostmove box fence) and {host} is relocated. Nothing was changed."),
+    ("M-R73", "door",
+     "Move {move_id} of {host} has not flipped (it is {state}), so {box} holds nothing of {host} yet. Abort the move "
+     "instead. Nothing was changed."),
+    ("M-R74", "door",
+     "{box} owes {host} nothing this move waits for (its release is at {phase}). Nothing was changed."),
+    ("M-R75", "door",
+     "The platform shows {box} {status}, so it cannot be declared lost: only a stopped or terminated box can be. "
+     "Stop it first (hostmove box stop --label {box}). Nothing was changed."),
+    ("M-R76", "door", "{box} is already declared lost for {host}. Nothing was changed."),
+    ("M-R77", "door",
+     "Declaring {box} lost needs your confirmation of what is lost: {sentence} Nothing was changed; run it again "
+     "with --yes to confirm."),
+    ("M-S11", "door",
+     "{box} is declared lost. {host} goes back to {from_region} and serves there once its recovery opens; the writes "
+     "declared lost are in its admission's writes_lost."),
+    ("M-S12", "door", "{box} also released {host} with writes it never returned; they are lost with it."),
     # -- apps and their releases (issue 18) ----------------------------------------------------------
     ("M-R43", "door", "There is no app named {app}, so {host} was not created. Publish it with hostmove app publish."),
     ("M-R44", "door", "{app} has no release {release} (its newest is {newest}). Nothing was changed."),

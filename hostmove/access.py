@@ -324,7 +324,7 @@ def _arn(path: str) -> str:
 OBJECT_READ = ["s3:GetObject", "s3:GetObjectVersion"]
 OBJECT_WRITE = ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"]
 BUCKET_LIST = ["s3:ListBucket", "s3:ListBucketVersions", "s3:GetBucketVersioning"]
-CONSOLE_WRITES = ("control/hosts/", "control/records/", "alerts/", "_probe/", "_health/",
+CONSOLE_WRITES = ("control/hosts/", "control/records/", "control/losses/", "alerts/", "_probe/", "_health/",
                   "moves/*/log/", "moves/_by-id/")  # the move log of the transitions it makes (§13)
 BOX_WRITES = ("control/hosts/", "control/records/", "control/staging-leases/", "alerts/bad-objects/", "moves/",
               "_probe/", "_health/")

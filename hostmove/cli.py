@@ -96,8 +96,10 @@ async def _probe(args: argparse.Namespace) -> int:
 async def _box(args: argparse.Namespace) -> int:
     if args.box_action == "wake":
         return await _box_wake(args)
-    if args.box_action == "fence":
-        return await _box_fence(args)
+    from hostmove import lost_cli
+
+    if args.box_action in lost_cli.BOX_ACTIONS:
+        return await lost_cli.run_box(args)
     from services.box.roster import RosterRefusal, init_box, read_deployment_key
 
     settings = load_settings(Path(args.root))
@@ -166,32 +168,6 @@ async def _box_wake(args: argparse.Namespace) -> int:
             return exitcodes.WAITING
         await asyncio.sleep(0.1)
     print(f"{args.host} is served on box {args.label} at 127.0.0.1:{port}")
-    return 0
-
-
-async def _box_fence(args: argparse.Namespace) -> int:
-    """``hostmove box fence --box L --terminated``: kill every process of the box (its cgroup subtree on this
-    machine), record its fence and mark it in the roster; the recovery service relocates its hosts."""
-    from services.box.fence import FenceRefused, cgroup_fence, fence_box
-    from services.box.roster import RosterRefusal, ensure_deployment
-
-    if not args.terminated:
-        print(f"box {args.label} was not fenced: fencing kills every process of the box and it never acts or "
-              "registers again; pass --terminated to confirm", file=sys.stderr)
-        return exitcodes.USAGE
-    settings = load_settings(Path(args.root))
-    rt = await open_runtime(settings, "cli", probe=False)
-    try:
-        fence, ref = await fence_box(store=rt.store, bucket=settings.bucket, events=rt.events, clock=rt.clock,
-                                     actor=rt.actor, label=args.label, compute=cgroup_fence(await ensure_deployment(
-                                         rt.store, settings.bucket, rng=rt.rng, clock=rt.clock)))
-    except (FenceRefused, RosterRefusal) as exc:
-        print(f"box {args.label} was not fenced: {exc}", file=sys.stderr)
-        return exitcodes.REFUSED
-    finally:
-        await rt.close()
-    print(f"box {fence.label} ({fence.region}) is fenced: {fence.evidence}. Its hosts relocate to a box of region "
-          f"{fence.region} once one is enrolled (fence {ref.key}, sha256 {ref.sha256[:12]})")
     return 0
 
 
@@ -318,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     bf = bx_sub.add_parser("fence", help="a box is gone for good: kill it, fence it, relocate its hosts")
     bf.add_argument("--box", "--label", dest="label", required=True, help="the box's label")
     bf.add_argument("--terminated", action="store_true", help="confirm: the box never comes back")
+    from hostmove import lost_cli
+
+    lost_cli.add_box_parsers(bx_sub)
     bw = bx_sub.add_parser("wake", help="wake a sleeping host on its box (what the box's router does on a request)")
     bw.add_argument("host")
     bw.add_argument("--box", "--label", dest="label", required=True, help="the box that serves the host")

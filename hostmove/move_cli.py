@@ -219,6 +219,11 @@ class DoorClient:
         """``POST .../move/resolve {"retry": true}``: a stuck move's recovery probes again (§7.10)."""
         return await self._call("POST", self._path(host, "/resolve"), {"retry": True})
 
+    async def declare_lost(self, host: str, box: str, compute: dict[str, str], *, confirmed: bool) -> Reply:
+        """``POST .../move/resolve {"declare_lost": BOX, "compute": {...}, "confirmed": ...}`` (§7.10)."""
+        return await self._call("POST", self._path(host, "/resolve"),
+                                {"declare_lost": box, "compute": compute, "confirmed": confirmed})
+
     async def clear_failed(self, host: str) -> Reply:
         """``POST /v1/hosts/{host}/resolve {"clear_failed": true}``: the serving box clears a failed route."""
         return await self._call("POST", f"{self.config.url}/v1/hosts/{quote(host, safe='')}/resolve",
@@ -579,6 +584,9 @@ def add_parser(subparsers: Any) -> None:
                             epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     rs.add_argument("--host", required=True)
     rs.add_argument("--retry", action="store_true", help="rerun the recovery's probing phase (a new admission)")
+    from hostmove import lost_cli
+
+    lost_cli.add_declare_lost(rs)
 
 
 def add_host_resolve(host_actions: Any) -> None:
@@ -670,6 +678,10 @@ async def run(args: argparse.Namespace, *, clock: Clock | None = None,
                 return await _status(door, args, clock, out, err)
             if action == "watch":
                 return await _watch(door, args, clock, out, err)
+            if action == "resolve" and getattr(args, "declare_lost", None):  # §7.10 (hostmove/lost_cli.py)
+                from hostmove import lost_cli
+
+                return await lost_cli.run_declare_lost(args, door, out, err)
             if action == "resolve":
                 if not getattr(args, "retry", False):
                     _print("hostmove move resolve: --retry is the resolution built (rerun a stuck move's probe)", err)

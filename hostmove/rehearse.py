@@ -1,4 +1,5 @@
-"""``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry`` (spec §14.4; issue 13 item 6).
+"""``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry|declare-lost|fenced-target|
+fenced-source`` (spec §14.4; issue 13 item 6, issue 15 item 7).
 
 The rehearsal runs on the embedded stack as ``make demo`` does: the door, the recovery pass and one agent per box as
 their own processes, ``moveprobe`` published as an app release and writing throughout (a background row every
@@ -17,6 +18,17 @@ target region (``MOVEPROBE_FAIL_READY_IN``, before or after writing). It prints 
 |                    | once the host serves on the source)            | probes, then, the file removed and          |
 |                    |                                                | ``hostmove move resolve --retry`` run,      |
 |                    |                                                | ``rolled_back``                             |
+| ``declare-lost``   | none: the target's agent dies right after its  | ``rolled_back`` clean citing the operator's |
+|                    | probe started (a failpoint); ``hostmove box    | declaration, the lost session declared;     |
+|                    | stop`` and ``hostmove move resolve             | the box started again quarantines itself    |
+|                    | --declare-lost --yes``                         | (and its region's residue is swept)         |
+| ``fenced-target``  | the same death; ``hostmove box fence           | ``rolled_back`` clean citing the fence, no  |
+|                    | --terminated`` and nothing else                | operator; a replacement box enrolls and     |
+|                    |                                                | sweeps its region                           |
+| ``fenced-source``  | none: a manual move waits at ``ready``; the    | ``aborted``: converted to a relocation at   |
+|                    | source's machine is terminated and fenced      | pinning, waiting for a box in the source's  |
+|                    |                                                | one-box region; a replacement enrolls and   |
+|                    |                                                | serves it with every durable write          |
 
 After a rollback the checks run on the source (the region that kept the host): the key verifies, every timer ran
 once, no acknowledged row of either box is missing, nothing of the host is left live in the target region, and the
@@ -31,7 +43,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -41,6 +53,7 @@ import msgspec
 
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events.base import decode
+from events.copy import say
 from events.envelope import Transition
 from hostmove import exitcodes, move_cli
 from hostmove.demo import choose_boxes
@@ -51,6 +64,7 @@ from hostmove.rehearsal import Check, ack_logs, checks, last_move_state
 from hostmove.runtime import Runtime, open_runtime, settings_from_stack
 from hostmove.stack import stack_up
 from hostmove.stackinfo import StackInfo
+from kernel.failpoints import ENV
 from kernel.ports import WallClock
 from moveprobe import RELEASE_MANIFEST
 from services.agent.config import region_bucket
@@ -63,7 +77,12 @@ from services.box.roster import BoxInit, ensure_deployment, init_box
 from services.door.auth import token_digest
 from services.move.follow import host_segment
 
-SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry")
+SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry", "declare-lost", "fenced-target",
+                    "fenced-source")
+LOST: Final = ("declare-lost", "fenced-target")
+"""The scenarios of §7.10 (issue 15 item 7): the target box is gone after its probe started."""
+DIES: Final = "after_effects:probing"
+"""Where the target's agent dies in a lost scenario (a failpoint, :mod:`kernel.failpoints`)."""
 APP: Final = {"MOVEPROBE_INTERVAL_S": "0.2", "MOVEPROBE_SCHEDULE_EVERY_S": "0.4", "MOVEPROBE_ONCE_AFTER_S": "4"}
 ONCE_AFTER_MS: Final = 4000
 WRITES: Final = 10
@@ -87,7 +106,9 @@ class Outcome:
     @property
     def expected(self) -> tuple[str, bool]:
         return {"move": ("done", False), "clean-rollback": ("rolled_back", False),
-                "dirty-rollback": ("rolled_back", False), "stuck-retry": ("rolled_back", True)}[self.scenario]
+                "dirty-rollback": ("rolled_back", False), "stuck-retry": ("rolled_back", True),
+                "declare-lost": ("rolled_back", False), "fenced-target": ("rolled_back", False),
+                "fenced-source": ("aborted", False)}[self.scenario]
 
     @property
     def ok(self) -> bool:
@@ -123,8 +144,18 @@ async def _history_checks(rt: Runtime, host: str, move_id: str, scenario: str, i
     claim = (await rt.ledger.read_claim(host)).state
     admissions = claim.holder.admissions if claim is not None and claim.holder is not None else ()
     declared = [a for a in admissions if a.box == ie.label and a.writes_lost is not None]
-    out.append(Check("the return declared nothing lost", not declared,
-                     "no admission of the source declares writes_lost" if not declared else f"{declared[0]}"))
+    if scenario in LOST:  # §7.10: the lost box's session is declared, and nothing else
+        lost = [a.writes_lost for a in declared if a.writes_lost is not None]
+        ok = bool(lost) and all(w.box == uk.label for w in lost)
+        out.append(Check(f"the return declared {uk.label}'s session lost", ok, "; ".join(
+            f"writes_lost {w.box} session {w.session} past TXID {w.remote_max_txid}" for w in lost) or "none"))
+        cited = rb.evidence if rb is not None else ""
+        want = "control/losses/" if scenario == "declare-lost" else "control/box-fences/"
+        out.append(Check("the rollback cites the " + ("declaration" if scenario == "declare-lost" else "fence"),
+                         cited.startswith(want), cited or "no evidence"))
+    else:
+        out.append(Check("the return declared nothing lost", not declared,
+                         "no admission of the source declares writes_lost" if not declared else f"{declared[0]}"))
     if want_dirty:
         sealed = [a for a in admissions if rb is not None and a.generation == rb.id]
         out.append(Check("the source was admitted into the return generation", bool(sealed) and all(
@@ -173,32 +204,42 @@ async def rehearse(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, scena
     for box in (ie, uk):
         await rt.store.create_bucket(region_bucket(box.region), versioned=True)
     token = rt.rng.token_bytes(32).hex()
-    env = service_env(info, root=root, bucket=rt.settings.bucket, extra={
-        "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"rehearse={token_digest(token)}"})
+
+    def services_env() -> dict[str, str]:  # provisions the credentials of every box set up under root by now
+        return service_env(info, root=root, bucket=rt.settings.bucket, extra={
+            "HOSTMOVE_PROFILE": "fast", "HOSTMOVE_OPERATOR_TOKENS": f"rehearse={token_digest(token)}"})
+
+    env = services_env()
     door_url = f"http://127.0.0.1:{free_port()}"
     logs = root / "logs"
     procs = [ServiceProc.serve("door", env, logs / "door.log", "--port", door_url.rsplit(":", 1)[1]),
              ServiceProc.serve("recovery", env, logs / "recovery.log")]
     procs += [ServiceProc.serve("box", env, logs / f"box-{b.label}.log", "--label", b.label) for b in (ie, uk)]
     for proc in procs:
-        proc.start()
+        proc.start({ENV: DIES} if scenario in LOST and proc.argv[-1] == uk.label else None)
     out(f"   services up: door at {door_url}, recovery, the agents of {ie.label} and {uk.label} (logs in {logs}/)")
     switch_dir = Path(tempfile.mkdtemp(prefix="hostmove-switch-"))
     os.chmod(switch_dir, 0o755)  # the instance's user reads the switch (services.box.instance.sandbox)
     switch = switch_dir / "fail-ready"
+    agents: dict[str, ServiceProc] = {}
     try:
-        return await _scenario(rt, ie, uk, scenario, door_url, token, procs[0], switch, out)
+        agents = {p.argv[-1]: p for p in procs[2:]}
+        return await _scenario(rt, ie, uk, scenario, door_url, token, procs[0], switch, out, agents, services_env)
     except TimeoutError as exc:
         return Outcome(scenario, "", "", "", False, why=f"{exc}; the services' logs are in {logs}/")
     finally:
         for proc in reversed(procs):
             proc.stop()
+        for proc in agents.values():  # and a replacement box a lost scenario enrolled
+            if proc not in procs:
+                proc.stop()
         switch.unlink(missing_ok=True)
         switch_dir.rmdir()
 
 
 async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_url: str, token: str,
-                    door_proc: ServiceProc, switch: Path, out: Callable[[str], None]) -> Outcome:
+                    door_proc: ServiceProc, switch: Path, out: Callable[[str], None],
+                    agents: dict[str, ServiceProc], services_env: Callable[[], dict[str, str]]) -> Outcome:
     environ = {move_cli.ENV_URL: door_url, move_cli.ENV_TOKEN: token}
     async with aiohttp.ClientSession() as session:
         door = move_cli.DoorClient(move_cli.DoorConfig(door_url, token), session)
@@ -218,10 +259,14 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
         if scenario == "stuck-retry":
             switch.touch(mode=0o644)
             out(f"   the fail switch is on ({switch} exists): {uk.region} and {ie.region} both fail readiness now")
+        if scenario == "fenced-source":
+            return await _fenced_source(rt, ie, uk, host, environ, agents, services_env, out)
         out(f"   hostmove move --host {host} --to {uk.region}")
-        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=True, until="closed",
-                                  timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
+        args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=scenario not in LOST,
+                                  until="closed", timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
         code = await move_cli.run(args, environ=environ)
+        if scenario in LOST:
+            code = await _lost(rt, uk, scenario, host, environ, agents[uk.label], out)
         stuck_first = False
         if scenario == "stuck-retry":
             reason = await _stuck(rt, host, MOVE_TIMEOUT_S) if code == exitcodes.WAITING else ""
@@ -257,16 +302,162 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
                        [Check(f"{host} takes writes on {served.label}", False, str(exc))])
     out(f"   {host} takes writes on {served.label} (seq {after})")
     root = rt.settings.root
+    if scenario in LOST:  # the lost region's residue is its live box's to sweep: the box back, or its replacement
+        await _sweeper_back(rt, uk, scenario, host, agents, services_env, out)
+    fenced_disk = scenario == "fenced-target"  # a terminated machine's disk is gone with it
     shown = await checks(
         events=rt.events, store=rt.store, host=host, port=new_port,
         target_db=instance_dir(served.box_dir / "data", host) / f"{host}.db",
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(left.region),
-        left_local=[instance_dir(left.box_dir / "data", host) / f"{host}.db",
-                    instance_dir(left.box_dir / "data", host) / host], once_after_ms=ONCE_AFTER_MS)
+        left_local=[] if fenced_disk else [instance_dir(left.box_dir / "data", host) / f"{host}.db",
+                                           instance_dir(left.box_dir / "data", host) / host],
+        once_after_ms=ONCE_AFTER_MS)
     if scenario != "move" and ended == "rolled_back":
-        shown += await _history_checks(rt, host, move_id, "dirty-rollback" if scenario == "dirty-rollback"
+        shown += await _history_checks(rt, host, move_id, scenario if scenario in (*LOST, "dirty-rollback")
                                        else "clean-rollback", ie, uk)
     return Outcome(scenario, host, move_id, ended, stuck_first, lines, shown)
+
+
+async def _lost(rt: Runtime, uk: BoxInit, scenario: str, host: str, environ: dict[str, str], agent: ServiceProc,
+                out: Callable[[str], None]) -> int:
+    """§7.10's operator steps once the target's agent died after its probe started: the platform stops the box and
+    the operator declares it lost (``declare-lost``), or the machine is terminated and fenced and the recovery
+    service takes the fence as evidence (``fenced-target``). Then the move is followed until it closes."""
+    from hostmove import lost_cli
+
+    await _until(lambda: True if not agent.alive() else None, f"the target {uk.label}'s agent to die", 120)
+    out(f"   {uk.label}'s agent died after its probe started; its instance keeps running in its cgroup")
+    root = str(rt.settings.root)
+    if scenario == "declare-lost":
+        out(f"   hostmove box stop --label {uk.label}")
+        if await lost_cli.stop_box(rt, uk.label) != exitcodes.OK:
+            return exitcodes.FAILED
+        out(f"   hostmove move resolve --host {host} --declare-lost {uk.label} --yes")
+        resolve = argparse.Namespace(host=host, move_action="resolve", retry=False, declare_lost=uk.label, yes=True,
+                                     root=root, runtime=rt)
+        if (code := await move_cli.run(resolve, environ=environ)) != exitcodes.OK:
+            return code
+    else:
+        out(f"   hostmove box fence --label {uk.label} --terminated (the machine is terminated; no operator after)")
+        if await lost_cli.fence_terminated(rt, uk.label) != exitcodes.OK:
+            return exitcodes.FAILED
+    watch = argparse.Namespace(host=host, move_action="watch", until="closed", timeout=MOVE_TIMEOUT_S, interval=0.5)
+    return await move_cli.run(watch, environ=environ)
+
+
+async def _sweeper_back(rt: Runtime, uk: BoxInit, scenario: str, host: str, agents: dict[str, ServiceProc],
+                        services_env: Callable[[], dict[str, str]], out: Callable[[str], None]) -> None:
+    """A live box in the lost region again: the lost box started again (it quarantines itself first), or, for a
+    fenced one, a replacement enrolled under a new label; its straggler sweep parks what the lost box left."""
+    if scenario == "declare-lost":
+        agent = agents[uk.label]
+        agent.start()
+        out(f"   {uk.label} is started again: it retires its local state of {host} before anything else")
+    else:
+        label = f"{uk.label}-r{rt.rng.token_bytes(2).hex()}"
+        box = await init_box(root=rt.settings.root, label=label, region=uk.region, store=rt.store,
+                             bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
+        agent = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log",
+                                  "--label", box.label)
+        agent.start()
+        agents[label] = agent
+        out(f"   a replacement box {label} enrolls in {uk.region}")
+    left = (f"instances/{host_segment(host)}/", f"moves/{host_segment(host)}/")
+
+    async def swept() -> bool | None:  # its location and the move's forward staging lane (rule sweep-staging)
+        for prefix in left:
+            if await rt.store.list_keys(region_bucket(uk.region), prefix):
+                return None
+        return True
+
+    try:
+        await _until_async(swept, f"{uk.region}'s sweep of {host}", 180)
+    except TimeoutError:
+        out(f"   {uk.region} still holds objects of {host} (the check below says which)")
+
+
+async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, environ: dict[str, str],
+                         agents: dict[str, ServiceProc], services_env: Callable[[], dict[str, str]],
+                         out: Callable[[str], None]) -> Outcome:
+    """§7.10 rev 7.20: a source terminated before its flip. The move waits at ``ready`` (a manual cut); the source's
+    machine is terminated and fenced; the recovery service converts the move to a relocation at ``pinning`` in
+    one CAS; the one-box region waits for a box; a replacement enrolls and serves the host."""
+    from hostmove import lost_cli
+
+    scenario = "fenced-source"
+    out(f"   hostmove move --host {host} --to {uk.region} --manual-cut --no-wait")
+    args = argparse.Namespace(host=host, to=uk.region, manual_cut=True, wait=False, until="closed",
+                              timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
+    await move_cli.run(args, environ=environ)
+
+    async def state(want: str) -> bool | None:
+        record = (await rt.ledger.read_record(host)).state
+        return True if record is not None and record.move is not None and record.move.state == want else None
+
+    await _until_async(lambda: state("ready"), "the move at ready", MOVE_TIMEOUT_S)
+    before = (await rt.ledger.read_claim(host)).state
+    move_id = before.op.id if before is not None else ""
+    out(f"   move {move_id} is ready; {ie.label}'s machine is terminated: hostmove box fence --label {ie.label} "
+        "--terminated")
+    if await lost_cli.fence_terminated(rt, ie.label) != exitcodes.OK:
+        return Outcome(scenario, host, move_id, "", False, why=f"{ie.label} could not be fenced")
+
+    async def pinned() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and (claim.op.kind, claim.op.phase) == ("relocating", "pinning") else None
+
+    await _until_async(pinned, "the conversion to a relocation at pinning", 120)
+    out(f"   {say('M-C22', host=host, region=ie.region)}")
+    label = f"{ie.label}-r{rt.rng.token_bytes(2).hex()}"
+    box = await init_box(root=rt.settings.root, label=label, region=ie.region, store=rt.store,
+                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
+    agent = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label", label)
+    agent.start()
+    agents[label] = agent
+    out(f"   a replacement box {label} enrolls in {ie.region}")
+
+    async def serving() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
+
+    await _until_async(serving, f"{host} serving on {label}", MOVE_TIMEOUT_S)
+    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
+    after = await asyncio.to_thread(post_write, port, f"written on {label}")
+    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    record = (await rt.ledger.read_record(host)).state
+    ended = record.last_move.outcome if record is not None and record.last_move is not None and (
+        record.last_move.id == move_id) else ""
+    lane = f"moves/{host_segment(host)}/"
+
+    async def lane_swept() -> bool | None:  # the move's staging lane in the target region (rule sweep-staging)
+        return True if not await rt.store.list_keys(region_bucket(uk.region), lane) else None
+
+    try:
+        await _until_async(lane_swept, f"{uk.region}'s sweep of the move's staging lane", 180)
+    except TimeoutError:
+        out(f"   {uk.region} still holds the move's staging lane (the check below says which)")
+    root = rt.settings.root
+    shown = await checks(
+        events=rt.events, store=rt.store, host=host, port=port, target_db=box.box_dir / "data" / f"{host}.db",
+        ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label, f"{ie.region}-r": label}),
+        left_bucket=region_bucket(uk.region), left_local=[uk.box_dir / "data" / f"{host}.db"],
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=1)  # the fence killed the source's agent mid-run
+    converted = ""
+    async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):
+        t = decode(m.data, Transition)
+        if t.meta.name == "fence-converts-moving" and t.claim is not None:
+            converted = f"{t.claim.op.kind}/{t.claim.op.phase}, exec {t.claim.op.exec}, op {t.claim.op.id}"
+    shown.append(Check("the move became a relocation at pinning in one CAS citing the fence",
+                       converted == f"relocating/pinning, exec none, op {move_id}", converted or "no such transition"))
+    return Outcome(scenario, host, move_id, ended, False, [], shown)
+
+
+async def _until_async(check: Callable[[], Awaitable[bool | None]], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(1.0)
 
 
 def _say(text: str) -> None:
@@ -320,8 +511,8 @@ def report(shown: Outcome, say: Callable[[str], None]) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    rh = subparsers.add_parser("rehearse", help="rehearse a move, a clean or dirty rollback, or a stuck move retried "
-                                               "(§14.4) on the embedded stack",
+    rh = subparsers.add_parser("rehearse", help="rehearse a move, a clean or dirty rollback, a stuck move retried, "
+                                               "or a target that is gone (§14.4, §7.10) on the embedded stack",
                                epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     rh.add_argument("--scenario", required=True, choices=SCENARIOS)
 

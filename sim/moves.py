@@ -55,6 +55,7 @@ from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
 from services.agent.sides import Timings
 from services.box.artifacts.markers import normalize
+from services.box.compute import BoxCompute, ComputeObservation
 from services.box.fence import fence_box
 from services.box.instance.activator import AppSpec, StartPolicy
 from services.box.instance.sandbox import instance_dir
@@ -131,6 +132,16 @@ MOVE_REGIONS = ("ie", "uk", "us")
 """The world with moves has three regions, a box each: a move chooses among every region but the one that serves the
 host when it is requested, so a host moves on, and back, as often as its plan says (issue 11 item 2)."""
 MOVES_PER_HOST = (1, 3)
+
+
+class TerminatedMachine:
+    """The simulated platform after it terminated a box's machine: the compute port shows it ``terminated``."""
+
+    async def observe(self, box: BoxCompute) -> ComputeObservation:
+        return ComputeObservation("terminated", box.label, f"the machine of box {box.label} was terminated")
+
+    async def stop(self, box: BoxCompute) -> ComputeObservation:
+        return await self.observe(box)
 
 
 @dataclass(frozen=True)
@@ -599,7 +610,7 @@ class MoveWorld(World):
 
         async def fence() -> None:
             await fence_box(store=store, bucket=DEPLOY, events=events, clock=clock, actor=actor, label=label,
-                            compute=lambda box: f"the machine of box {box} was terminated")
+                            compute=TerminatedMachine())
 
         await retry_expected(lambda what: self.trace.emit("platform", what), "fence", fence)
         self.trace.emit("platform", f"fenced {label}")

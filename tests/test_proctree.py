@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.box.fence import cgroup_fence
+from kernel.ports import WallClock
+from services.box.compute import BoxCompute, LocalCompute
 from services.box.instance.agentcg import scrub
 from services.box.instance.proctree import (
     AGENT_LEAF,
@@ -469,7 +470,8 @@ async def test_one_deployment_never_scans_or_kills_the_others_processes(
         (tmp_path / "a2").mkdir()
         _, a_descendant = spawn_tree(a, HOST, tmp_path / "a2")
         a_stray = _stray_in(a, reaper, tmp_path / "a-stray")
-        evidence = cgroup_fence(a.deployment)(label)  # fencing a's ie-1 kills a's ie-1 only
-        assert "every process of box" in evidence and a.deployment in evidence
+        platform = LocalCompute(tmp_path / "platform", a.deployment, clock=WallClock())
+        seen = await platform.terminate(BoxCompute(label, "ie", "fp@1"))  # terminating a's ie-1 kills a's ie-1 only
+        assert seen.status == "terminated" and "every process of box" in seen.evidence and a.deployment in seen.evidence
         assert not alive(a_descendant) and not alive(a_stray)
         assert alive(b_descendant) and alive(b_stray) and b.members(HOST) == (b_descendant,)

@@ -746,6 +746,11 @@ class BoxAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: scan, pass the dirty and the due hosts, sleep until the next wake."""
+        from services.box.quarantine import quarantine_on_start  # §7.10: a box declared lost retires first
+
+        await quarantine_on_start(label=self.label, box_dir=self.cfg.box_dir, stamps=self.stamps,
+                                  registry=self.registry, timers=self.timers, ledger=self.ledger, clock=self.clock,
+                                  stop=stop)
         adopted = await self.activator.adopt_running()
         for host in adopted:
             log.info("stopped %s found running: a new agent is a new session", host,

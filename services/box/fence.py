@@ -8,21 +8,17 @@ replacement box of its region (:mod:`services.recovery.relocation`).
 Every transition that relies on a fence cites it as ``{"enrollment", "key", "sha256"}``: the box's enrollment, the
 fence's key and the SHA-256 of the exact bytes the transition verified; a consumer re-reads the key and compares.
 
-**Compute fencing** is a port (:data:`ComputeFence`). The spec's is the cloud API showing the instance
-``terminated``; on the embedded default a box is its cgroup subtree ``hostmove/<deployment>/<box>`` on this machine
-(the agent in ``@agent``, each instance in its leaf), so :func:`cgroup_fence` kills the whole subtree with
-``cgroup.kill`` and waits until it reports ``populated 0``. The subtree is keyed by the deployment's identity
-(``control/deployment.json``): fencing ``ie-1`` never touches another deployment's box of the same label. A claim
-CAS alone is bookkeeping, never a fence (joint D6): nothing here writes the record before the compute is dead.
+**Compute fencing** is the platform port (:mod:`services.box.compute`): the fence is written only after the
+platform shows the box's compute, as the roster records it, ``terminated`` (never on the operator's word alone, and
+never from a lease or a claim CAS: joint D6). On the embedded default the platform is :class:`LocalCompute` (the
+box's cgroup subtree ``hostmove/<deployment>/<box>`` and its platform record), on EC2 ``DescribeInstances``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 from urllib.parse import quote
 
@@ -33,8 +29,8 @@ from bus.log import EventLog
 from events.base import Durable, Ident, Millis, canonical, decode
 from events.envelope import Actor
 from kernel.ports import Clock
-from services.box.instance.proctree import CgroupTree
-from services.box.roster import Roster, RosterRefusal, read_roster, update_roster
+from services.box.compute import BoxCompute, ComputeRefused, ComputeState
+from services.box.roster import Roster, RosterBox, RosterRefusal, read_roster, update_roster
 from services.objstore.port import Got, ObjectStore
 
 FENCES_PREFIX = "control/box-fences/"
@@ -83,53 +79,25 @@ async def read_fence(store: ObjectStore, bucket: str, label: str) -> tuple[BoxFe
     return fence, FenceRef(label, fence.enrollment, key, hashlib.sha256(got.body).hexdigest())
 
 
-def verify_ref(ref: dict[str, object], fence: tuple[BoxFence, FenceRef] | None) -> str | None:
-    """Why a cited fence reference does not hold (re-read: same key, same bytes, same enrollment), or None."""
+def verify_ref(ref: Mapping[str, object], fence: tuple[BoxFence, FenceRef] | None,
+               entry: RosterBox | None = None) -> str | None:
+    """Why a cited fence reference does not hold, or None (§7.10 "The fence reference": every consumer re-reads the
+    record at ``key`` and requires its digest to equal ``sha256`` and its enrollment to be the cited one and, given
+    the roster's ``entry`` for the box, the roster's)."""
     if fence is None:
         return "the cited fence does not exist"
-    _record, current = fence
-    if ref != current.journal():
+    record, current = fence
+    if dict(ref) != current.journal():
         return f"the cited fence of {current.label} is not the one at {current.key} now"
+    if entry is not None and (entry.label != record.label or entry.region != record.region
+                              or enrollment_of(entry.secrets_key_fp, entry.registered_at) != record.enrollment):
+        return (f"the fence at {current.key} names enrollment {record.enrollment} in {record.region}, not the "
+                f"roster's box {entry.label}")
     return None
-
-
-ComputeFence = Callable[[str], str]
-"""``label -> evidence``: make sure no process of the box can run again, or raise :class:`FenceRefused`."""
 
 
 class FenceRefused(Exception):
     """The box could not be fenced; nothing was recorded. The message is in the operator's words."""
-
-
-def cgroup_fence(deployment: str, *, timeout_s: float = 10.0,
-                 mounts: str | Path = "/proc/mounts") -> ComputeFence:
-    """The embedded default's compute fence for the deployment ``deployment`` (its identity,
-    :func:`services.box.roster.ensure_deployment`): kill the box's cgroup subtree
-    ``hostmove/<deployment>/<label>`` and wait until it is empty."""
-
-    def fence(label: str) -> str:
-        tree = CgroupTree.discover(label, deployment=deployment, mounts=mounts)
-        base = tree.base
-        if base is None or tree.root is None:
-            raise FenceRefused(f"box {label}'s processes cannot be verified dead on this machine (no cgroup v2 "
-                               "hierarchy); stop its machine and fence it from where its compute is visible")
-        where = base.relative_to(tree.root)
-        if not base.is_dir():  # nothing to create: an absent group holds no process
-            return f"no process of box {label} runs on this machine (no cgroup {where})"
-        ok, why = tree.strict_available()
-        if not ok:
-            raise FenceRefused(f"box {label}'s processes cannot be verified dead on this machine ({why}); stop its "
-                               "machine and fence it from where its compute is visible")
-        (base / "cgroup.kill").write_text("1")
-        deadline = time.monotonic() + timeout_s
-        while "populated 0" not in (base / "cgroup.events").read_text():
-            if time.monotonic() > deadline:
-                raise FenceRefused(f"box {label}'s cgroup did not empty within {timeout_s:g} s of cgroup.kill; "
-                                   "nothing was fenced")
-            time.sleep(0.01)
-        return f"every process of box {label} was killed (cgroup {where}: cgroup.kill, populated 0)"
-
-    return fence
 
 
 def decide_fence_roster(current: Roster | None, label: str, at: int) -> Roster:
@@ -144,18 +112,24 @@ def decide_fence_roster(current: Roster | None, label: str, at: int) -> Roster:
 
 
 async def fence_box(*, store: ObjectStore, bucket: str, events: EventLog, clock: Clock, actor: Actor, label: str,
-                    compute: ComputeFence) -> tuple[BoxFence, FenceRef]:
-    """Fence ``label``: the compute first, then the record (create-only; an existing fence stands), then the
-    roster entry and an alert. Safe to run again after a crash at any point."""
+                    compute: ComputeState) -> tuple[BoxFence, FenceRef]:
+    """Fence ``label``: the platform must show its compute ``terminated`` first, then the record (create-only; an
+    existing fence stands), then the roster entry and an alert. Safe to run again after a crash at any point."""
     roster, _ = await read_roster(store, bucket)
     entry = roster.box(label) if roster is not None else None
     if entry is None:
         raise FenceRefused(f"box {label} is not in the roster; there is nothing to fence")
     existing = await read_fence(store, bucket, label)
     if existing is None:
-        evidence = compute(label)
+        try:
+            seen = await compute.observe(BoxCompute.of(entry))
+        except ComputeRefused as exc:
+            raise FenceRefused(str(exc)) from None
+        if seen.status != "terminated":
+            raise FenceRefused(f"the platform shows box {label} {seen.status} ({seen.evidence}); only a terminated "
+                               "machine is fenced, so nothing was recorded")
         fence = BoxFence(label=label, region=entry.region, enrollment=enrollment_of(entry.secrets_key_fp,
-                         entry.registered_at), fenced_at=clock.now_ms(), evidence=evidence)
+                         entry.registered_at), fenced_at=clock.now_ms(), evidence=seen.evidence)
         await store.put(bucket, fence_key(label), canonical(fence), if_none_match=True)  # Lost: another fencer's
         existing = await read_fence(store, bucket, label)  # record stands; either way the bytes read back are cited
         if existing is None:
@@ -167,5 +141,5 @@ async def fence_box(*, store: ObjectStore, bucket: str, events: EventLog, clock:
     return record, ref
 
 
-__all__ = ["FENCES_PREFIX", "BoxFence", "ComputeFence", "FenceRef", "FenceRefused", "cgroup_fence",
-           "decide_fence_roster", "fence_box", "fence_key", "read_fence", "verify_ref"]
+__all__ = ["FENCES_PREFIX", "BoxFence", "FenceRef", "FenceRefused", "decide_fence_roster", "fence_box", "fence_key",
+           "read_fence", "verify_ref"]

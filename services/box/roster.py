@@ -71,6 +71,12 @@ class RosterBox(Durable, frozen=True):
     registered_at: Millis
     fenced_at: Millis | None = None
     """Set once the box is fenced (:mod:`services.box.fence`): it never acts, registers or is chosen again."""
+    instance_id: str = ""
+    """The box's compute as its platform knows it (:mod:`services.box.compute`): the instance id (EC2), the
+    account that owns it and the platform's region; empty on the embedded default, whose platform knows a box by
+    its label and the deployment's identity."""
+    account: str = ""
+    cloud_region: str = ""
 
 
 class Roster(Durable, frozen=True):

@@ -591,7 +591,15 @@ async def post_resolve(request: web.Request) -> web.Response:
     who = _who(request, operator=True)
     host = _host(request)
     _query(request, ())
-    bad = parse_flag(await _body(request), "retry")
+    body = await _body(request)
+    if b'"declare_lost"' in body:  # §7.10 --declare-lost (services/door/declare.py)
+        from services.door.declare import declare_lost, parse_declare_lost
+
+        req = parse_declare_lost(body)
+        if isinstance(req, DoorRefusal):
+            raise _Refused(req)
+        return _json(await declare_lost(request.app[DOOR], host, req, who))
+    bad = parse_flag(body, "retry")
     if bad is not None:
         raise _Refused(bad)
     return _json(await request.app[DOOR].resolve(host, who))
@@ -760,8 +768,15 @@ def document() -> dict[str, Any]:
                 "a stuck move's recovery runs its probe again, a new admission (§7.10 resolve --retry); refused in "
                 "every other state",
                 {"200": _resp("StepAnswer", "the retry is recorded: the move is rolling back or reverting again")},
-                {"type": "object", "additionalProperties": False, "required": ["retry"],
-                 "properties": {"retry": {"const": True}}},
+                {"oneOf": [
+                    {"type": "object", "additionalProperties": False, "required": ["retry"],
+                     "properties": {"retry": {"const": True}}},
+                    {"type": "object", "additionalProperties": False, "required": ["declare_lost", "compute"],
+                     "properties": {"declare_lost": {"type": "string", "minLength": 1},
+                                    "compute": {"type": "object", "required": ["status"],
+                                                "properties": {"status": {"type": "string"},
+                                                               "evidence": {"type": "string"}}},
+                                    "confirmed": {"type": "boolean"}}}]},
             )},
             "/v1/hosts/{host}/resolve": {"post": _mutation(
                 "resolveHost",

@@ -39,7 +39,7 @@ from typing import Final, Literal
 
 from events.claim import Claim, Op
 from events.envelope import Transition
-from events.record import Move, Record
+from events.record import Move, Record, Rollback
 
 Severity = Literal["error", "notice"]
 Rule = Literal[
@@ -59,6 +59,7 @@ KIND_EDGES: Final[frozenset[tuple[str, str]]] = frozenset({
     ("landing", "restoring"),  # the rollback's claim half (§7.5, §7.8)
     ("moving", "serving"), ("landing", "serving"), ("reverting", "serving"), ("restoring", "serving"),  # K8
     ("serving", "relocating"), ("relocating", "serving"),  # a fenced box's host and its release (§7.10)
+    ("moving", "relocating"),  # a source fenced before the flip (§7.10 rule fence-converts-moving): see _converted
 })
 """The claim ``op.kind`` edges §19.1 and D§3 allow (a kind to itself is a step inside the op, always allowed)."""
 
@@ -178,6 +179,28 @@ def _next(phases: tuple[str, ...], phase: str) -> str:
     return phases[i + 1] if i + 1 < len(phases) else ""
 
 
+LOSSES_PREFIXES = ("control/losses/", "control/box-fences/")
+"""Where a ``--declare-lost`` declaration (``services.move.lost.LOSSES_PREFIX``) or a termination fence
+(``services.box.fence.FENCES_PREFIX``) lives: a lost target's evidence (spec §7.10)."""
+
+
+CONVERTIBLE: Final = frozenset({"preparing", "ready", "cutting", "aborted"})
+"""The record states before the flip, where a fence of the source converts the move (§7.10)."""
+
+
+def _converted(op0: Op, op1: Op) -> bool:
+    """§7.10 fence-converts-moving: the move's op id, ``pinning``, exec none, citing the source's fence."""
+    source = op0.participants[0] if op0.participants else ""
+    return (op1.id == op0.id and op1.phase == "pinning" and op1.exec == "none"
+            and isinstance(op1.journal.get(f"fence.{source}"), dict))
+
+
+def _declared_lost(rb: Rollback) -> bool:
+    """A rollback whose target was declared lost (§7.10): its evidence is the declaration, its target ``cleaned``
+    for want of a box, the rollback clean, all in the declaration's one record CAS."""
+    return rb.evidence.startswith(LOSSES_PREFIXES) and rb.target_phase == "cleaned" and not rb.dirty
+
+
 def _next_target_phase(phase: str, dirty: bool) -> str:
     return _next(TARGET_PHASES_DIRTY if dirty else TARGET_PHASES_CLEAN, phase)
 
@@ -276,8 +299,11 @@ class ProtocolCheck:
             want = CLOSE_OUTCOMES.get(before.state)
             if last is None or last.id != before.id:
                 bad("move-state", f"move {before.id} was cleared without a last_move naming it (§7.5, ruling M4)")
-            elif want is None:
+            elif want is None and not (before.state in CONVERTIBLE and last.outcome == "aborted"
+                                       and "converted" in new.extra):
                 bad("move-state", f"move {before.id} was closed from {before.state}, a state no close leaves from")
+            elif want is None:
+                pass  # §7.10: the move a fence of its source converted to a relocation closes aborted
             elif last.outcome != want:
                 bad("move-state", f"move {before.id} closed from {before.state} as {last.outcome}; "
                     f"that state closes as {want}")
@@ -347,14 +373,16 @@ class ProtocolCheck:
             if (before.state, after.state) != ("landing", "rolling_back"):
                 bad("rollback-phase", f"rollback {rb1.id} appeared with the move {before.state} -> {after.state}; a "
                     "rollback is the landing's CAS to rolling_back (§7.8)")
-            elif rb1.target_phase or rb1.source_phase:
+            elif (rb1.target_phase or rb1.source_phase) and not _declared_lost(rb1):
                 bad("rollback-phase", f"rollback {rb1.id} appeared with its phases already started")
             return
         if rb0.id != rb1.id:
             bad("rollback-phase", f"rollback {rb0.id} became {rb1.id}; a move rolls back once (§7.8)")
             return
         t0, t1 = rb0.target_phase, rb1.target_phase
-        if t0 != t1:
+        if t0 != t1 and _declared_lost(rb1) and not _declared_lost(rb0):
+            pass  # §7.10: the declaration stands for the lost target's every remaining phase
+        elif t0 != t1:
             want = _next_target_phase(t0, rb1.dirty)
             if t1 != want:
                 bad("rollback-phase", f"target_phase went {t0 or '(none)'} -> {t1}; after {t0 or '(none)'} a "
@@ -405,6 +433,10 @@ class ProtocolCheck:
         k0, k1 = op0.kind, op1.kind
         if k0 != k1 and (k0, k1) not in KIND_EDGES:
             bad("claim-kind", f"op.kind went {k0} -> {k1}, an edge the op kinds of §19.1 do not have")
+            return
+        if (k0, k1) == ("moving", "relocating") and not _converted(op0, op1):
+            bad("claim-kind", "a move became a relocation without its source's fence, or not at pinning with exec "
+                "none under the move's op id (§7.10 fence-converts-moving)")
             return
         if k0 == k1 and k0 in MOVE_KINDS and op0.id != op1.id:
             bad("claim-kind", f"the {k0} op {op0.id} became op {op1.id} without a release")
@@ -488,7 +520,7 @@ class ProtocolCheck:
             if e0 not in op0.participants:
                 bad("k3-exec-none", f"exec went from {e0}, not a participant of the move, to none (K3)")
                 return
-            if _cited(op1):
+            if _cited(op1) or isinstance(op1.journal.get(f"fence.{e0}"), dict):  # a fence is the box's evidence
                 return
             op_id = op1.id
 

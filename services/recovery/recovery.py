@@ -32,6 +32,8 @@ import logging
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
+import msgspec
+
 from bus.facts import Fact, publish_alert
 from bus.log import EventLog, LogError, LogUnavailable
 from events.claim import Claim
@@ -42,11 +44,24 @@ from services.box.fence import BoxFence, FenceRef, read_fence, verify_ref
 from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
-from services.move.follow import claim_half
+from services.move.follow import MOVE_KINDS, claim_half
 from services.move.incidents import incidents_owed, raise_owed
+from services.move.lost import (
+    LossDeclaration,
+    NotLegal,
+    decide_declared_claim,
+    decide_declared_record,
+    declaration_kind,
+)
 from services.move.rollback import decide_deadline_rollback
 from services.objstore.port import StoreError, StoreUnavailable
-from services.recovery.relocation import PINNING, decide_fence_host, decide_relocation_target
+from services.recovery.relocation import (
+    PINNING,
+    decide_converted_record,
+    decide_fence_converts_moving,
+    decide_fence_host,
+    decide_relocation_target,
+)
 from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.recovery")
@@ -216,6 +231,12 @@ class RecoveryPass:
                 claim, op = out.state, out.state.op
             elif isinstance(out, Refusal):
                 report.errors.append(f"{host}: {out.reason}")
+        elif op.kind in MOVE_KINDS and len(op.participants) == 2 and op.participants[1] in self._fenced and (
+                await self._fenced_target(host, claim, report)):
+            return
+        elif op.kind == "moving" and len(op.participants) == 2 and op.participants[0] in self._fenced and (
+                converted := await self._fenced_source(host, claim, report)) is not None:
+            claim, op = converted, converted.op
         elif op.kind != "relocating" and self._fenced & {op.exec, *op.participants}:
             await self._alert_once(host, op.id or op.kind, "fenced-box-in-operation",
                                    {"kind": op.kind, "boxes": sorted(self._fenced & {op.exec, *op.participants})},
@@ -224,7 +245,8 @@ class RecoveryPass:
             return
         for name, cited in sorted(op.journal.items()):
             if name.startswith("fence."):
-                why = verify_ref(cited, await self._fence(name[len("fence."):]))
+                label = name[len("fence."):]
+                why = verify_ref(cited, await self._fence(label), self._roster.box(label))
                 if why is not None:
                     report.errors.append(f"{host}: the relocation waits: {why}")
                     return
@@ -243,6 +265,99 @@ class RecoveryPass:
         elif isinstance(out, Refusal):
             report.errors.append(f"{host}: {out.reason}")
 
+    async def _fenced_source(self, host: str, claim: Claim, report: PassReport) -> Claim | None:
+        """§7.10 (rule ``fence-converts-moving``): a source fenced before the flip converts the move to a
+        relocation at ``pinning`` in one claim CAS, then the record closes ``aborted``; None when it is not
+        converted (past the flip: alerted as before)."""
+        source = claim.op.participants[0]
+        fenced = await self._fence(source)
+        if fenced is None:
+            return None
+        fence, ref = fenced
+        record = (await self.ledger.read_record(host)).state
+        entry = self._roster.box(source) if self._roster is not None else None
+        now = self.ledger.clock.now_ms()
+
+        def convert(cur: Claim | None) -> Claim | NoChange | Refusal:
+            why = verify_ref(ref.journal(), fenced, entry)
+            return Refusal(why) if why is not None else decide_fence_converts_moving(cur, record, ref, fence.region,
+                                                                                     now)
+
+        out = await self.ledger.transition("claim", host, "fence-converts-moving", convert, causation="recovery")
+        if isinstance(out, Refusal):
+            return None
+        current = out.state if isinstance(out, Committed) else (await self.ledger.read_claim(host)).state
+        if current is None or current.op.kind != "relocating":
+            return None
+        if isinstance(out, Committed):
+            report.claim_halves.append(f"{host}: relocating/pinning (its source {source} was fenced before the flip)")
+        op_id = current.op.id
+        reason = f"the source {source} was fenced before the flip ({ref.key}); the move became a relocation"
+        await self.ledger.transition("record", host, "move-aborted", lambda cur: decide_converted_record(
+            cur, op_id, reason, now), causation="recovery")
+        return current
+
+    async def _fenced_target(self, host: str, claim: Claim, report: PassReport) -> bool:
+        """§7.10 (L14): a move's fenced target is the evidence ``--declare-lost`` would have supplied, with no
+        operator: before the record's commit the move rolls back clean through the declared-loss path, the fence
+        record as ``rollback.evidence`` and ``fenced_at`` as the evidence time; a target owing only local chores has
+        them removed. After the commit the move is not what recovers the host (answers False: alerted as before)."""
+        target = claim.op.participants[1]
+        fenced = await self._fence(target)
+        record = (await self.ledger.read_record(host)).state
+        if fenced is None or record is None or record.move is None or record.move.id != claim.op.id:
+            return False
+        fence, ref = fenced
+        try:
+            kind = declaration_kind(record, claim, target, "terminated")
+        except NotLegal:
+            return False
+        decl = LossDeclaration(host=host, move=record.move.id, box=target, role="target", kind=kind,
+                               enrollment=fence.enrollment, region=fence.region, compute_status="terminated",
+                               compute_evidence=fence.evidence, operator="the termination fence",
+                               declared_at=fence.fenced_at, flipped_at=record.move.flipped_at,
+                               timers_lost=record.move.source.timers_sha256)
+        cited = ref.journal()
+
+        def decide_record(cur: Record | None) -> Record | NoChange | Refusal:
+            rb = cur.move.rollback if cur is not None and cur.move is not None else None
+            if rb is not None and rb.evidence == ref.key:
+                return NoChange("the fence is already the rollback's evidence")
+            why = verify_ref(cited, fenced, self._roster.box(target) if self._roster is not None else None)
+            if why is not None:
+                return Refusal(why)
+            try:
+                return decide_declared_record(cur, claim, decl, ref.key, self.release_ms)
+            except NotLegal as exc:
+                return Refusal(exc.copy)
+
+        if kind != "local-only":
+            out = await self.ledger.transition("record", host, "move-target-fenced", decide_record,
+                                               causation="recovery")
+            if isinstance(out, Refusal):
+                report.errors.append(f"{host}: {out.reason}")
+                return True
+        record = (await self.ledger.read_record(host)).state
+
+        def decide_claim(cur: Claim | None) -> Claim | NoChange | Refusal:
+            if cur is not None and cur.op.journal.get(f"fence.{target}") == cited:
+                return NoChange("the fence is already on the claim")
+            try:
+                half = decide_declared_claim(cur, record, decl, cited, source_region=decl_region(record))
+            except NotLegal as exc:
+                return Refusal(exc.copy)
+            return msgspec.structs.replace(half, op=msgspec.structs.replace(
+                half.op, journal={**half.op.journal, f"fence.{target}": cited}))
+
+        half = await self.ledger.transition("claim", host, "move-target-fenced", decide_claim, causation="recovery")
+        if isinstance(half, Committed):
+            report.claim_halves.append(f"{host}: rolling back clean (its target {target} is fenced)")
+            await self._alert_once(host, claim.op.id, "fenced-target-rolled-back",
+                                   {"box": target, "fence": ref.key, "kind": kind}, report)
+        elif isinstance(half, Refusal):
+            report.errors.append(f"{host}: {half.reason}")
+        return True
+
     async def _finish_door_record(self, host: str, claim: Claim, report: PassReport) -> None:
         from services.door.decide import decide_move_record
 
@@ -254,6 +369,11 @@ class RecoveryPass:
         out = await self.ledger.transition("record", host, "move-requested", finish, causation="recovery")
         if isinstance(out, Committed):
             report.records_finished.append(host)
+
+
+def decl_region(record: Record | None) -> str:
+    """The move's source region (where a lost target's return lane is parked)."""
+    return record.move.from_ if record is not None and record.move is not None else ""
 
 
 def _landing_overdue(record: Record, now_ms: int) -> bool:

@@ -14,8 +14,10 @@ of the pinned generation, as the model does). Three claim CASes, pure here:
    holder's chain from the region's bucket, the files from their manifest, ``writes_lost`` declared for the fenced
    box's session): back to ``serving`` on the replacement box.
 
-Only ``serving`` claims are relocated here. A host in a move whose participant was fenced is left as it is and
-reported (the spec's conversion of a pre-flip ``moving`` op, rule ``fence-converts-moving``, is not built).
+A ``serving`` claim is pinned by CAS 1; a ``moving`` one whose **source** was fenced before the flip is converted to the
+same ``pinning`` (:func:`decide_fence_converts_moving`, rule ``fence-converts-moving``) and its record closes
+``aborted`` (:func:`decide_converted_record`); the move's staging lane is left to the target region's straggler sweep
+(rule ``sweep-staging``), not queued as an obligation.
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ from __future__ import annotations
 import msgspec
 
 from events.claim import Claim, LostBox, Op
+from events.record import LastMove, Record
+from kernel import rules
 from services.box.fence import FenceRef
 from services.ledger.ledger import NoChange, Refusal
+
+rules.register(
+    "fence-converts-moving",
+    section="§7.10 'A source terminated before the flip' (rev 7.20; claim rev 6.28 §4); witness wFenceConvertsMoving",
+    meaning="a fence of the source before the flip converts the moving op to relocating at pinning in one CAS",
+    site="services/recovery/relocation.py decide_fence_converts_moving",
+)
 
 PINNING = "pinning"
 INSTALLING = "installing"
@@ -51,6 +62,46 @@ def decide_fence_host(current: Claim | None, ref: FenceRef, region: str, at: int
     new_op = Op(kind="relocating", id=relocation_id(ref), phase=PINNING, intent={"from": region},
                 journal={f"fence.{ref.label}": ref.journal()}, exec="none")
     return msgspec.structs.replace(current, op=new_op, lost=lost)
+
+
+BEFORE_FLIP = frozenset({"preparing", "ready", "cutting", "aborted"})
+"""Record states before the flip CAS puts the record in ``landing`` (§7.10 "Before its flip")."""
+
+
+def decide_fence_converts_moving(current: Claim | None, record: Record | None, ref: FenceRef, region: str, at: int
+                                 ) -> Claim | NoChange | Refusal:
+    """§7.10 (rev 7.20, rule ``fence-converts-moving``): a source terminated before its flip. One CAS converts the
+    ``moving`` op to ``relocating`` at ``pinning`` in the source's region: ``exec`` none, ``holder.stamp`` and
+    ``holder.generation`` kept, the fence reference in ``op.journal``, obligations untouched, the box on ``lost``.
+    Refused after the flip (the record's ``landing`` and later): the lost-target rules apply there."""
+    if current is None or current.holder is None:
+        return NoChange("this host has no holder")
+    op = current.op
+    if op.kind == "relocating" and op.journal.get(f"fence.{ref.label}") == ref.journal():
+        return NoChange(f"already relocating away from the fenced box {ref.label}")
+    if op.kind != "moving" or not op.participants or op.participants[0] != ref.label:
+        return NoChange(f"the host is not moving away from the fenced box {ref.label}")
+    move = record.move if record is not None else None
+    if move is None or move.id != op.id:
+        return Refusal("the record does not hold this move; the conversion waits for it")
+    if move.state not in BEFORE_FLIP or not rules.on("fence-converts-moving"):
+        return Refusal(f"move {op.id} is {move.state}: past its flip a fenced source is not converted (§7.10)")
+    lost = current.lost if any(b.box == ref.label for b in current.lost) else (
+        *current.lost, LostBox(box=ref.label, fence=ref.key, at=at))
+    new_op = Op(kind="relocating", id=op.id, phase=PINNING, intent={"from": region, "converted": "moving"},
+                journal={**op.journal, f"fence.{ref.label}": ref.journal()}, exec="none")
+    return msgspec.structs.replace(current, op=new_op, lost=lost)
+
+
+def decide_converted_record(record: Record | None, op_id: str, reason: str, at: int) -> Record | NoChange | Refusal:
+    """The record after the conversion: the move ends ``aborted`` (its staging is the region's sweep's: rule
+    ``sweep-staging``), so no worker of the move acts again and a later move may start."""
+    if record is None or record.move is None:
+        return NoChange("the record holds no move")
+    if record.move.id != op_id:
+        return Refusal("the record holds another move")
+    return msgspec.structs.replace(record, move=None, last_move=LastMove(id=op_id, outcome="aborted", at=at),
+                                   extra={**record.extra, "converted": reason[:500]})
 
 
 def decide_relocation_target(current: Claim | None, op_id: str, box: str, region: str) -> Claim | NoChange | Refusal:
@@ -82,5 +133,6 @@ def decide_relocation_release(current: Claim | None, op_id: str, box: str) -> Cl
     return msgspec.structs.replace(current, op=Op(kind="serving", exec=box))
 
 
-__all__ = ["INSTALLING", "PINNING", "decide_fence_host", "decide_relocation_release", "decide_relocation_target",
+__all__ = ["BEFORE_FLIP", "INSTALLING", "PINNING", "decide_converted_record", "decide_fence_converts_moving",
+           "decide_fence_host", "decide_relocation_release", "decide_relocation_target",
            "relocation_id"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from events.claim import Claim, Obligation, Scope
+from events.claim import Claim, Obligation, Scope, WriterRef
 from events.record import Move, Rollback
 from kernel import rules
 from services.box.instance.activator import Activator, Started, StartFailed, StartPolicy
@@ -26,6 +26,7 @@ from services.move import rollback
 from services.move.finalize import PARK_STAGING, Finalizer, pending
 from services.move.follow import staging_scope_location
 from services.move.guards import step_allowed
+from services.move.lost import declared_lost
 from services.move.stepping import RunnerResult, until_still
 from services.source.return_install import InstallRefused, ReturnInstall
 from services.source.reverting import unchanged_since_stop
@@ -41,6 +42,22 @@ rules.register(
     meaning="once the source's recovery journaled probing it never reruns verified: the probe's writes are its own",
     site="services/source/rollback_recovery.py RollbackRecovery.step (probing)",
 )
+
+
+def cut_session_lost(claim: Claim, target: str) -> tuple[WriterRef, ...]:
+    """§7.10: when the seal was the one holder of the source's writes beyond its own replica (``src_covered``
+    false), a lost target's clean return declares the source's **cut session** as well: the seal is in the lost
+    target's region and no lane brings it. The session is the one the target's admission superseded."""
+    seal = claim.op.journal.get("seal")
+    if claim.holder is None or (isinstance(seal, dict) and seal.get("src_covered")):
+        return ()
+    landed = next((a for a in reversed(claim.holder.admissions) if a.box == target), None)
+    cut = landed.predecessor if landed is not None else None
+    if cut is None or not cut.box:
+        return ()
+    n = seal.get("n") if isinstance(seal, dict) else None
+    return (WriterRef(box=cut.box, session=cut.session, generation=cut.generation,
+                      remote_max_txid=n if isinstance(n, int) and not isinstance(n, bool) else 0),)
 
 
 def decide_return_lane_owed(claim: Claim | None, move_id: str, source: str, region: str, rb_id: str, now_ms: int
@@ -90,8 +107,11 @@ class RollbackRecovery:
         if rb.dirty and (holder is None or not any(a.generation == rb.id for a in holder.admissions)):
             started = await self.activator.wake(host, prepared=rb.id, policy=self.policy)
         else:
-            covered = not rb.dirty and (last is None or last.box != self.label)
-            started = await self.activator.wake(host, coverage=CLEAN_RETURN if covered else "", policy=self.policy)
+            target = claim.op.participants[1] if len(claim.op.participants) == 2 else ""
+            lost = declared_lost(claim, target)  # §7.10: a lost box's writes since the flip are declared, never covered
+            covered = not rb.dirty and not lost and (last is None or last.box != self.label)
+            started = await self.activator.wake(host, coverage=CLEAN_RETURN if covered else "", policy=self.policy,
+                                                declare=cut_session_lost(claim, target) if lost else ())
         if isinstance(started, Started):
             return None
         why = f"the recovery probe did not start: {started.reason}"
@@ -128,6 +148,8 @@ class RollbackRecovery:
         if phase == "claimed":  # exec back to the source citing the target's evidence (K4), S's stamp
             seal = claim.op.journal.get("seal")
             covered = bool(seal.get("src_covered")) if isinstance(seal, dict) else False
+            target = claim.op.participants[1] if len(claim.op.participants) == 2 else ""
+            covered = covered or declared_lost(claim, target)  # a lost target: back to the source's own generation
             out = await self.ledger.transition("claim", host, "rollback-source-claimed", lambda c: (
                 rollback.decide_source_claimed(c, move_id, self.label, clean=not rb.dirty, src_covered=covered)))
             if isinstance(out, Refusal):

@@ -58,7 +58,7 @@ import aiohttp
 from bus.facts import Fact, publish_alert
 from bus.log import EventLog, LogError
 from events.base import Durable, Ident, Millis, canonical, decode
-from events.claim import Claim
+from events.claim import Claim, WriterRef
 from events.record import Rollback
 from kernel import rules
 from kernel.fsutil import atomic_write, fsync_dir
@@ -555,14 +555,15 @@ class Activator:
 
     # -- the start --------------------------------------------------------------------------------
 
-    async def wake(self, host: str, *, coverage: str = "", prepared: str = "", policy: StartPolicy | None = None
-                   ) -> Started | StartRefused | StartFailed:
+    async def wake(self, host: str, *, coverage: str = "", prepared: str = "", policy: StartPolicy | None = None,
+                   declare: tuple[WriterRef, ...] = ()) -> Started | StartRefused | StartFailed:
         """Start ``host`` on this box: admit, then up to five attempts under that session. ``coverage`` is the
         admission's (§5.1 step 9): ``clean-return`` for a clean rollback's recovery probe (§7.8). ``prepared`` names a
         generation an install built on this box's region (a dirty rollback's ``g-<rb>``, §7.8, §7.14): the admission
         is cold **into** it, covered by its seal (``sealed``: nothing is declared), opened once, and its
         ``generation.json`` is published with the install's snapshot identity before the app starts. ``policy``: this
-        wake's starts, when they are not the box's (a recovery probe's, §7.8)."""
+        wake's starts, when they are not the box's (a recovery probe's, §7.8). ``declare``: further sessions whose
+        writes the admission declares lost (``additional_writes_lost``: a declared-lost target's return, §7.10)."""
         if host in self.running:
             return StartRefused(host, f"{host} is already running on this box")
         async with host_guard(self.ctx.box_dir, host, lambda: self._read_claim(host), clock=self.ctx.clock) as g:
@@ -600,7 +601,7 @@ class Activator:
                 observed_session=claim.holder.session, observed_generation=claim.holder.generation,
                 new_generation=generation, remote_max_txid=remote_max, predecessor_certified=certified,
                 coverage=coverage, predecessor_holds_nothing=await self._predecessor_empty(claim),
-                local_txid=flushed or 0,
+                local_txid=flushed or 0, additional_writes_lost=declare,
             )
             early: Started | StartFailed | None = None
             if not rules.on("admit-before-start"):  # the mutation (rev 7.10's order): the app starts, then admits

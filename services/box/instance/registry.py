@@ -384,6 +384,11 @@ class Registry:
         cur = self.conn.execute("DELETE FROM routes WHERE host=? AND hold_op=?", (host, op_id))
         return cur.rowcount == 1
 
+    def delete_retired(self, host: str) -> bool:
+        """Quarantine's delete (§7.10, claim §7.2): the row of a host this box was declared lost for, whatever its
+        status, under the host guard once every artifact of the host is retired."""
+        return self.conn.execute("DELETE FROM routes WHERE host=?", (host,)).rowcount == 1
+
     def set_carried(self, host: str, *, replication: str, next_due: int) -> bool:
         """Write the carried columns (§6.2 ``Replication``, ``NextDue``); the status is untouched."""
         cur = self.conn.execute(

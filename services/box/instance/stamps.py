@@ -201,6 +201,13 @@ class StampBook:
             return None
         return StampRecord(host, incarnation, row[0], tuple(json.loads(row[1])))
 
+    def incarnations(self, host: str) -> list[str]:
+        """Every incarnation of ``host`` this box holds a stamp record or an unparked artifact of (quarantine)."""
+        cur = self.conn.execute(
+            "SELECT incarnation FROM stamp_records WHERE host=? UNION "
+            "SELECT incarnation FROM artifacts WHERE host=? AND parked_to='' ORDER BY 1", (host, host))
+        return [r[0] for r in cur.fetchall()]
+
     def artifacts(self, host: str, incarnation: str) -> list[Artifact]:
         cur = self.conn.execute(
             "SELECT name, path, stamp FROM artifacts WHERE host=? AND incarnation=? AND parked_to='' ORDER BY name",

@@ -1,0 +1,209 @@
+"""``hostmove move resolve --host H --declare-lost BOX`` on the real stack (spec §7.10 M16, §20 M-C18; issue 15 item
+2): box agents as processes, real NATS, SeaweedFS and cgroup v2, the door served over HTTP and the operator's CLI
+run as a process.
+
+The target agent dies right after the flip names it (a failpoint) and never comes back. The operator stops its box
+through the platform (``hostmove box stop``: the ``local`` compute port), then declares it lost: every refusal
+first, each with its sentence and nothing changed in S3; the unconfirmed request answers the M-C18 sentence and
+changes nothing; confirmed (``--yes``), the move rolls back clean citing the declaration, the host serves on the
+source again with the lost box's session declared ``writes_lost`` and nothing else missing, and it takes writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+
+from bus.nats_log import NatsEventLog
+from bus.subjects import FACTS_STREAM, alert_subject
+from events.base import decode
+from events.copy import say
+from hostmove.probe_apps import post_write
+from hostmove.procs import service_env
+from hostmove.rehearsal import ack_logs, declared_losses, nothing_missing
+from hostmove.stackinfo import StackInfo
+from kernel.failpoints import ENV
+from kernel.ports import SystemRandom, WallClock
+from kernel.timetext import utc_text
+from services.box.fence import read_fence
+from services.door.api import Door, make_app
+from services.door.auth import Identity, TokenSet
+from services.door.declare import DeclareLost, declare_lost
+from services.ledger.audit import run_audit
+from services.move.lost import LossDeclaration, loss_key
+from services.objstore.port import Got
+from services.objstore.s3 import S3Store
+from services.recovery.recovery import RecoveryPass
+from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
+from tests.test_agent import APP, closed_on_ie, create_and_write, request_move, serving_port
+
+HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
+OPERATOR = "op-token-lost"
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def shared(stack: StackInfo, unique: Callable[[str], str]) -> AsyncIterator[tuple[S3Store, NatsEventLog, str]]:
+    async with data_buckets(stack, unique, "lost") as s:
+        yield s
+
+
+async def etags(w: AgentWorld, host: str) -> tuple[str | None, str | None]:
+    return (await w.ledger.read_claim(host)).etag, (await w.ledger.read_record(host)).etag
+
+
+async def cli(stack: StackInfo, w: AgentWorld, door_url: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = service_env(stack, root=w.root, bucket=w.deploy, extra={
+        "HOSTMOVE_DATA_BUCKET_PREFIX": w.prefix, "HOSTMOVE_CREDENTIALS": stack.credentials,
+        "HOSTMOVE_DOOR_URL": door_url, "HOSTMOVE_TOKEN": OPERATOR})
+    return await asyncio.to_thread(subprocess.run, [*HOSTMOVE, *argv], env=env, capture_output=True, text=True,
+                                   timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("dies", ["before_effects:checking", "after_effects:probing"])
+async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves_on_its_source(
+        stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+        tmp_path: Path, dies: str) -> None:
+    """``dies``: the target agent dies before its landing started anything (it never wrote: nothing is lost), or
+    right after its probe started the instance (its writes since the flip are declared lost, the probe's instance
+    killed by the platform's stop)."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"uk": {ENV: dies}}) as w:
+        host = f"{unique('dl')}.example.com"
+        ie, uk = w.labels["ie"], w.labels["uk"]
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        target = w.agents["uk"]
+
+        async def died() -> bool:
+            return not target.alive()
+
+        await eventually(died, "the target's death after the flip", 90)
+        door = Door(w.ledger, clock=WallClock(), rng=SystemRandom())
+        server = TestServer(make_app(door, TokenSet.of(operators={"alice": OPERATOR})), host="127.0.0.1")
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        try:
+            # a box the platform never stopped is refused by the CLI itself: nothing is sent, nothing changes
+            before = await etags(w, host)
+            running = await cli(stack, w, url, "move", "resolve", "--host", host, "--declare-lost", uk, "--yes")
+            assert running.returncode == 5, running
+            assert "cannot be declared lost" in running.stderr and "hostmove box stop --label" in running.stderr
+            assert await etags(w, host) == before
+
+            stopped = await cli(stack, w, url, "box", "stop", "--label", uk)
+            assert stopped.returncode == 0 and f"box {uk} is stopped" in stopped.stdout, stopped
+
+            # every refusal at the door, with its sentence and nothing changed in S3 (no declaration either)
+            op = Identity("alice", "operator")
+            for box, status, copy in ((ie, "stopped", "M-R71"), ("nobody-9", "stopped", "M-R70"),
+                                      (uk, "running", "M-R75")):
+                before = await etags(w, host)
+                answer = await declare_lost(door, host, DeclareLost(box, status, "test", confirmed=True), op)
+                assert answer.status == 409 and answer.body["copy"] == copy, answer.body
+                assert await etags(w, host) == before
+                assert not isinstance(await store.get(w.deploy, loss_key(host, move_id, box)), Got)
+            unconfirmed = await declare_lost(door, host, DeclareLost(uk, "stopped", "test", confirmed=False), op)
+            record = (await w.ledger.read_record(host)).state
+            assert record is not None and record.move is not None
+            m_c18 = say("M-C18", box=uk, host=host, flipped_at=utc_text(record.move.flipped_at),
+                         from_region="ie")
+            assert unconfirmed.status == 409 and unconfirmed.body["copy"] == "M-R77", unconfirmed.body
+            assert unconfirmed.body["confirm"] == m_c18 and "is lost" in m_c18
+            assert not isinstance(await store.get(w.deploy, loss_key(host, move_id, uk)), Got)
+
+            declared = await cli(stack, w, url, "move", "resolve", "--host", host, "--declare-lost", uk, "--yes")
+            assert declared.returncode == 0, declared
+            assert f"{uk} is declared lost" in declared.stdout
+            got = await store.get(w.deploy, loss_key(host, move_id, uk))
+            assert isinstance(got, Got)
+            decl = decode(got.body, LossDeclaration)
+            assert decl.compute_status == "stopped" and decl.operator == "alice" and decl.kind == "owes-evidence"
+            again = await cli(stack, w, url, "move", "resolve", "--host", host, "--declare-lost", uk, "--yes")
+            assert again.returncode == 5, again  # refused: declared already, or the move closed meanwhile
+            assert "already declared lost" in again.stderr or "has no move in progress" in again.stderr, again
+        finally:
+            await server.close()
+
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        assert [b.box for b in claim.lost] == [uk]
+        back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
+        landed = any(a.box == uk for a in claim.holder.admissions)
+        assert landed == (dies == "after_effects:probing"), claim.holder.admissions
+        if landed:  # the lost box's session is declared, never covered
+            assert back.writes_lost is not None and back.writes_lost.box == uk and back.coverage == "", back
+        else:
+            assert back.writes_lost is None, back  # the target never wrote: nothing is lost
+        declared_list = await declared_losses(w.events, host)
+        assert {d.box for d in declared_list} <= {uk, ie}, declared_list
+        alerts = [m async for m in w.events.replay(FACTS_STREAM, subject=alert_subject("box-declared-lost"))]
+        assert any(host.encode() in m.data and uk.encode() in m.data for m in alerts)
+
+        port = await serving_port(w, "ie", host, timeout_s=60)
+        assert await asyncio.to_thread(post_write, port, "after-declare-lost")  # it serves and takes writes again
+        logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
+        check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
+        assert check.ok, check.line()
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_fenced_target_before_the_commit_is_evidence_with_no_operator(
+        stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+        tmp_path: Path) -> None:
+    """§7.10 (L14): the target's machine is terminated after its probe started and fenced (``hostmove box fence``
+    reads the platform: terminated). The console's recovery pass rolls the move back clean through the declared-loss
+    path, the fence record as the rollback's evidence and its reference in ``op.journal``; no operator declares
+    anything. The host serves on ie again with the fenced session declared and nothing else missing."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"uk": {ENV: "after_effects:probing"}}) as w:
+        host = f"{unique('ft')}.example.com"
+        ie, uk = w.labels["ie"], w.labels["uk"]
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        target = w.agents["uk"]
+
+        async def died() -> bool:
+            return not target.alive()
+
+        await eventually(died, "the target's death after its probe started", 90)
+        fenced = await cli(stack, w, "http://127.0.0.1:9", "box", "fence", "--label", uk, "--terminated")
+        assert fenced.returncode == 0 and "terminated" in fenced.stdout, fenced
+        got = await read_fence(store, w.deploy, uk)
+        assert got is not None
+        _fence, ref = got
+        report = await RecoveryPass(w.ledger, w.events).run_once()
+        assert any("is fenced" in line for line in report.claim_halves), report
+        record = (await w.ledger.read_record(host)).state
+        claim = (await w.ledger.read_claim(host)).state
+        if record is not None and record.move is not None:  # the source may already have closed it
+            assert record.move.rollback is not None and record.move.rollback.evidence == ref.key
+        assert claim is not None and claim.op.journal.get(f"fence.{uk}") == ref.journal()
+        assert claim.op.journal.get(f"loss.{uk}") == ref.journal() and [b.box for b in claim.lost] == [uk]
+        assert (await RecoveryPass(w.ledger, w.events).run_once()).errors == [], "a second pass changes nothing"
+
+        await closed_on_ie(w, host, move_id, "rolled_back")
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
+        assert back.writes_lost is not None and back.writes_lost.box == uk and back.coverage == "", back
+        port = await serving_port(w, "ie", host, timeout_s=60)
+        assert await asyncio.to_thread(post_write, port, "after-the-fence")
+        declared_list = await declared_losses(w.events, host)
+        logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
+        check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
+        assert check.ok, check.line()
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]
