@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -133,11 +134,11 @@ def add_declare_lost(resolve: Any) -> None:
     resolve.add_argument("--yes", action="store_true", help="confirm what --declare-lost says is lost (scripts)")
 
 
-async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err: TextIO) -> int:
+async def run_declare_lost(args: argparse.Namespace, door: Any, out: TextIO, err: TextIO,
+                           not_ok: Callable[[Any, TextIO], int]) -> int:
     """Ask the platform first (the operator's credentials), then the door; the M-C18 confirmation, asked on a
-    terminal and given by ``--yes``. A running box is refused here and nothing is sent."""
-    from hostmove.move_cli import not_ok
-
+    terminal and given by ``--yes``. A running box is refused here and nothing is sent. ``not_ok`` answers a door
+    reply that did not carry the request out (the move CLI's)."""
     box_label = args.declare_lost
     given: Runtime | None = getattr(args, "runtime", None)  # the rehearsal's own, already open
     try:

@@ -681,7 +681,7 @@ async def run(args: argparse.Namespace, *, clock: Clock | None = None,
             if action == "resolve" and getattr(args, "declare_lost", None):  # §7.10 (hostmove/lost_cli.py)
                 from hostmove import lost_cli
 
-                return await lost_cli.run_declare_lost(args, door, out, err)
+                return await lost_cli.run_declare_lost(args, door, out, err, not_ok)
             if action == "resolve":
                 if not getattr(args, "retry", False):
                     _print("hostmove move resolve: --retry is the resolution built (rerun a stuck move's probe)", err)
