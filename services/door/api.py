@@ -34,19 +34,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from bus.log import LogError, LogUnavailable, require_available
+from bus.log import LogUnavailable, require_available
 from events.base import decode
 from events.claim import AppRef, Claim
 from events.copy import say
-from events.durable import MAX_SAFE_INTEGER, DurableValueError
+from events.durable import MAX_SAFE_INTEGER
 from events.ids import new_incarnation, new_op_id
 from events.record import Record
 from kernel.logctx import ctx
@@ -54,6 +52,14 @@ from kernel.ports import Clock, Random
 from services.apps.manifest import Release
 from services.apps.releases import ReleaseError, list_releases, read_default_app, read_release
 from services.box.roster import Roster, read_roster
+from services.door.answers import (
+    RETRY_AFTER_S,
+    Answer,
+    Unreadable,
+    reading,
+    refusal_answer,
+    unavailable_answer,
+)
 from services.door.auth import Identity, TokenSet
 from services.door.decide import (
     APP_PATTERN,
@@ -78,9 +84,9 @@ from services.door.decide import (
     status_view,
 )
 from services.hosts.create import create_host
-from services.ledger.ledger import Committed, Conflict, Ledger, LedgerDefect, NoChange, Refusal
+from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.resolve import NotStuck, decide_clear_failed, decide_retry
-from services.objstore.port import Got, StoreError, StoreUnavailable
+from services.objstore.port import Got, StoreUnavailable
 from services.target.readiness import TargetReport
 from services.target.readiness import report_key as readiness_key
 
@@ -88,61 +94,6 @@ log = logging.getLogger("hostmove.door")
 
 MAX_BODY = 64 * 1024
 _ENCODER = msgspec.json.Encoder()
-
-
-class Unreadable(Exception):
-    """A read the door depends on failed or found a corrupt object: never act on it (C6)."""
-
-    def __init__(self, what: str, *, corrupt: bool, dependency: str | None = None) -> None:
-        super().__init__(what)
-        self.what = what
-        self.corrupt = corrupt
-        self.dependency = dependency  # "nats" or "s3": the dependency did not answer (an outage, not this object)
-
-
-@contextmanager
-def reading(what: str) -> Iterator[None]:
-    """Turn a failed or corrupt read into :class:`Unreadable` naming ``what`` (never the cause's text)."""
-    try:
-        yield
-    except DurableValueError as exc:
-        raise Unreadable(what, corrupt=exc.code == "decode_failed") from exc
-    except LedgerDefect as exc:
-        raise Unreadable(what, corrupt=True) from exc
-    except LogUnavailable as exc:
-        raise Unreadable(what, corrupt=False, dependency="nats") from exc
-    except StoreUnavailable as exc:
-        raise Unreadable(what, corrupt=False, dependency="s3") from exc
-    except (StoreError, LogError, OSError) as exc:
-        raise Unreadable(what, corrupt=False) from exc
-
-
-RETRY_AFTER_S = 5
-"""The ``Retry-After`` of a dependency's 503."""
-
-
-def unavailable_answer(dependency: str, what: str) -> Answer:
-    """The 503 of a dependency that does not answer (``nats``: M-R36, ``s3``: M-R37)."""
-    reason = say("M-R36") if dependency == "nats" else say("M-R37", what=_lower_first(what))
-    return Answer(503, {"error": "unavailable", "dependency": dependency, "reason": reason,
-                        "copy": "M-R36" if dependency == "nats" else "M-R37"})
-
-
-def _lower_first(what: str) -> str:
-    return what[:1].lower() + what[1:]
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    body: dict[str, Any]
-
-
-def refusal_answer(r: DoorRefusal | Refusal) -> Answer:
-    status = r.status if isinstance(r, DoorRefusal) else 409
-    copy = r.copy if isinstance(r, DoorRefusal) else ""
-    code = {400: "bad_request", 404: "not_found"}.get(status, "refused")
-    return Answer(status, {"error": code, "reason": r.reason, "copy": copy})
 
 
 class Door:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from bus.facts import Fact, publish_alert
 from events.base import canonical, decode
@@ -20,11 +21,13 @@ from events.claim import Claim
 from events.copy import say
 from events.record import Record
 from kernel.logctx import ctx
+from kernel.ports import Clock
 from kernel.timetext import utc_text
-from services.door.api import Answer, Door, reading, refusal_answer
+from services.box.roster import Roster
+from services.door.answers import Answer, reading, refusal_answer
 from services.door.auth import Identity
 from services.door.decide import DoorRefusal, _object, echo, refuse, status_view
-from services.ledger.ledger import Committed, Conflict, NoChange, Refusal
+from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
 from services.move.lost import (
     LossDeclaration,
     NotLegal,
@@ -38,6 +41,18 @@ from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.door")
 FIELDS = ("declare_lost", "compute", "confirmed")
+
+
+class Door(Protocol):
+    """What this route reads of the door (:class:`services.door.api.Door`, which passes itself)."""
+
+    ledger: Ledger
+    clock: Clock
+
+    def require_bus(self) -> None: ...
+    async def roster(self) -> Roster: ...
+    async def claim(self, host: str) -> Claim | None: ...
+    async def record(self, host: str) -> Record | None: ...
 
 
 @dataclass(frozen=True)
