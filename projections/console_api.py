@@ -12,9 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
-from projections.api import _TRUE, CLOCK, STORE, BadRequest, _params
-from projections.api import _json as _encode
 from projections.console import COOKIE, Console, Unavailable, box_views, move_views
+from projections.web import _TRUE, CLOCK, STORE, BadRequest, _params
+from projections.web import _json as _encode
 from services.door.auth import Identity
 
 CONSOLE: web.AppKey[Console] = web.AppKey("console", Console)

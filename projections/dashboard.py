@@ -23,9 +23,9 @@ from urllib.parse import quote
 from aiohttp import web
 
 from kernel.timetext import utc_text
-from projections.api import CLOCK, STORE
 from projections.console import COOKIE, Unavailable, box_views, host_summary, move_views
 from projections.console_api import CONSOLE, identify
+from projections.web import CLOCK, STORE
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:0;color:#111;background:#fff;line-height:1.4}
