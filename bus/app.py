@@ -25,6 +25,7 @@ from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
 from nats.js.api import ConsumerConfig
 
 from bus.subjects import FACTS_STREAM, alert_subject
+from kernel import metrics
 from kernel.credentials import Credentials, credentials_from_env
 from kernel.logctx import ctx
 
@@ -105,6 +106,10 @@ def subscribe(
     async def _deliver(body: bytes, msg: NatsMessage) -> None:
         raw = msg.raw_message
         md = raw.metadata
+        metrics.CONSUMER_DELIVERIES.labels(durable=durable).inc()
+        if md.num_delivered > 1:
+            metrics.CONSUMER_REDELIVERIES.labels(durable=durable).inc()
+        metrics.CONSUMER_PENDING.labels(durable=durable).set(md.num_pending)
         try:
             await handler(body, dict(msg.headers or {}))
         except Exception as exc:  # noqa: BLE001 - every failure is handled below, never terms
@@ -129,6 +134,7 @@ def subscribe(
                                                         subscriber=service, subject=raw.subject))
                 await msg.nack(delay=pol.max_backoff_s)
                 return
+            metrics.ALERTS.labels(kind="poison").inc()
             await msg.ack()
             return
         await msg.ack()

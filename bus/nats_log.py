@@ -40,6 +40,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnav
 
 from bus.log import LogError, LogUnavailable, PubAck, StoredMessage, StreamState, WrongLastSequence
 from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS
+from kernel import metrics
 from kernel.credentials import Credentials, credentials_from_env
 
 log = logging.getLogger("hostmove.bus")
@@ -290,14 +291,20 @@ class NatsEventLog:
         if expected_last_subject_seq is not None:
             hdrs["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
         self._require()
+        started, outcome = time.monotonic(), "unavailable"
         try:
             ack = await self.js.publish(subject, data, stream=stream, headers=hdrs or None)
+            outcome = "duplicate" if ack.duplicate else "ok"
         except _UNAVAILABLE as exc:
             raise self._unavailable("publish outcome unknown", exc) from None
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
+                outcome = "wrong_last_sequence"
                 raise WrongLastSequence(str(exc.description)) from None
+            outcome = "refused"
             raise LogError(f"publish refused: {exc.description} ({exc.err_code})") from None
+        finally:  # to its ack, by answer (issue 19 item 5)
+            metrics.PUBLISH_SECONDS.labels(stream=stream, outcome=outcome).observe(time.monotonic() - started)
         return PubAck(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     @staticmethod

@@ -42,7 +42,7 @@ from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from events.record import Record
-from kernel import ports, rules
+from kernel import metrics, ports, rules
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
 from kernel.ports import Clock, Random, blocking
@@ -310,10 +310,20 @@ class BoxAgent:
         self._faults = faults
         self._http: aiohttp.ClientSession | None = None
         self._down: str | None = None  # the dependency outage the passes wait out, named once (:meth:`_outage`)
+        metrics.set_budget("prepare", self.timing.move.source.prepare_bound_s)  # §7.11
+        metrics.BOX_INSTANCES.labels(box=cfg.label).set_function(lambda: len(self.instances))
+        metrics.BOX_ROUTES_HELD.labels(box=cfg.label).set_function(self._held_routes)
 
     @property
     def label(self) -> str:
         return self.cfg.label
+
+    def _held_routes(self) -> float:
+        """The route rows a move holds on this box (``hostmove_box_routes_held``), read when metrics are scraped."""
+        try:
+            return float(sum(1 for row in self.registry.rows() if row.held))
+        except Exception:  # noqa: BLE001 - a closed registry (the agent stopping) has no figure
+            return float("nan")
 
     async def _read_claim(self, host: str) -> Claim | None:
         return (await self.ledger.read_claim(host)).state
@@ -853,6 +863,9 @@ class BoxAgent:
         if self._http is not None:
             await self._http.close()
         await self.activator.close()  # every instance of the box, a landing's probe included
+        for gauge in (metrics.BOX_INSTANCES, metrics.BOX_ROUTES_HELD):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.label)
         for closable in (self.registry, self.stamps, self.timers):
             closable.close()
 

@@ -20,6 +20,7 @@ no body (code ``"404"``/``"403"``), so a HEAD on a missing bucket reads as :clas
 
 from __future__ import annotations
 
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
@@ -37,6 +38,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from kernel import metrics
 from services.objstore.memory import normalize_metadata
 from services.objstore.port import (
     AccessDenied,
@@ -228,11 +230,14 @@ class S3Store:
         status in ``handle`` come back as a :class:`_Rejection` (except NoSuchBucket); every other
         failure raises a mapped StoreError."""
         client = self._require_client(once=once)
+        started, status_text = time.monotonic(), "unreachable"
         try:
             response: dict[str, Any] = await getattr(client, method)(**params)
+            status_text = str((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 200)
             return response
         except ClientError as exc:
             status, code = _status_code(exc)
+            status_text = str(status or "unreachable")
             if status in handle and code != "NoSuchBucket":
                 return _Rejection(status, code)
             raise self._map_client_error(exc, what) from None
@@ -241,7 +246,14 @@ class S3Store:
         except Exception as exc:  # aiohttp and friends leaking through aiobotocore
             if type(exc).__module__.startswith(("aiohttp", "botocore", "aiobotocore")):
                 raise self._map_other(exc, what) from None
+            status_text = "error"
             raise
+        except BaseException:  # cancelled mid-request
+            status_text = "cancelled"
+            raise
+        finally:  # every request, by operation and answer (issue 19 item 5)
+            metrics.S3_REQUESTS.labels(operation=method, status=status_text).inc()
+            metrics.S3_SECONDS.labels(operation=method).observe(time.monotonic() - started)
 
     async def _current_etag(self, bucket: str, key: str, version_id: str | None = None) -> str | None:
         """The follow-up HEAD behind every :class:`Lost` (port: ``current_etag``)."""
