@@ -87,7 +87,8 @@ def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentia
     auth: dict[str, Any] = {}
     if creds is not None and creds.nats_seed:
         auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
-    return NatsBroker(nats_url, name=name, connect_timeout=5, **auth)
+    servers = [u.strip() for u in nats_url.split(",") if u.strip()]  # a cluster's URLs (issue 19 item 4)
+    return NatsBroker(servers, name=name, connect_timeout=5, **auth)
 
 
 def subscribe(

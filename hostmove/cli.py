@@ -46,7 +46,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     root = Path(args.root)
     try:
         if args.action == "up":
-            info = stack_up(root)
+            info = stack_up(root, nats_cluster=args.nats_cluster)
             print(
                 f"stack up: NATS {info.nats_url}, S3 {info.s3_endpoint} (endpoints in {root / 'stack.json'})"
             )
@@ -294,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stack", help="start, stop or inspect the embedded stack")
     st.add_argument("action", choices=("up", "down", "status"))
+    st.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="up: N JetStream nodes of one cluster on loopback, the streams with N replicas (default 1)")
     au = sub.add_parser("audit", help="replay the ledger stream and check it against S3")
     au.add_argument("--host")
     au.add_argument("--strict", action="store_true", help="fail on rebase notices too")
