@@ -135,7 +135,7 @@ def subscribe(
                                                         subscriber=service, subject=raw.subject))
                 await msg.nack(delay=pol.max_backoff_s)
                 return
-            metrics.ALERTS.labels(kind="poison").inc()
+            metrics.alert_raised("poison")
             await msg.ack()
             return
         await msg.ack()

@@ -42,7 +42,7 @@ async def publish_alert(log: EventLog, fact: Fact) -> PubAck:
     ack = await log.publish(FACTS_STREAM, alert_subject(fact.kind), canonical(fact),
                             msg_id=f"alert:{fact.kind}:{fact.id}")
     if not ack.duplicate:
-        metrics.ALERTS.labels(kind=fact.kind).inc()
+        metrics.alert_raised(fact.kind)
     return ack
 
 
@@ -57,5 +57,5 @@ async def raise_incident(log: EventLog, fact: Fact) -> bool:
                           msg_id=f"incident:{fact.kind}:{fact.subject}:{fact.id}", expected_last_subject_seq=0)
     except WrongLastSequence:
         return False
-    metrics.ALERTS.labels(kind=fact.kind).inc()
+    metrics.alert_raised(fact.kind)
     return True

@@ -36,10 +36,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from events.record import Move, Record
+from kernel import ports
 
 __all__ = [
-    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "exposition", "move_observation", "observe_record",
-    "set_budget",
+    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "exposition", "move_observation",
+    "observe_record", "set_budget",
 ]
 
 REGISTRY: Final = CollectorRegistry()
@@ -159,7 +160,22 @@ def exposition() -> bytes:
     return bytes(generate_latest(REGISTRY))
 
 
-for _outcome in ("done", "rolled_back", "aborted"):  # every series exists from the start, at zero
+def alert_raised(kind: str) -> None:
+    """Count an alert or incident of ``kind`` (``hostmove_alerts_total``). Not inside the simulation: a counter's
+    first series of a label reads the wall clock (its ``_created``), which the simulation refuses."""
+    if not ports.simulated():
+        ALERTS.labels(kind=kind).inc()
+
+
+# Every series of a bounded label set exists from the start, at zero (and the simulation, which runs the ledger,
+# never makes one: a counter's new series reads the wall clock).
+for _outcome in ("done", "rolled_back", "aborted"):
     MOVES_ENDED.labels(outcome=_outcome)
 for _phase in PHASES:
     PHASE_SECONDS.labels(phase=_phase)
+for _obj in ("claim", "record"):
+    for _outcome in ("committed", "conflict", "refused", "no_change"):
+        LEDGER_TRANSITIONS.labels(object=_obj, outcome=_outcome)
+    LEDGER_CAS_CONFLICTS.labels(object=_obj)
+    for _reason in ("conflict", "stale_read", "publish"):
+        LEDGER_RETRIES.labels(object=_obj, reason=_reason)
