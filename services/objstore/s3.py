@@ -47,6 +47,7 @@ from services.objstore.port import (
     Lost,
     Missing,
     NoSuchBucket,
+    ObjectEntry,
     StoreError,
     StoreUnavailable,
     VersionEntry,
@@ -448,20 +449,27 @@ class S3Store:
         return entries
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
-        keys: list[str] = []
+        return [e.key for e in await self._list_objects(bucket, prefix, f"list_keys {bucket}/{prefix}")]
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        return await self._list_objects(bucket, prefix, f"list_entries {bucket}/{prefix}")
+
+    async def _list_objects(self, bucket: str, prefix: str, what: str) -> list[ObjectEntry]:
+        """ListObjectsV2, every page (``page_size`` keys each), sorted by key."""
+        entries: list[ObjectEntry] = []
         params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.page_size}
-        what = f"list_keys {bucket}/{prefix}"
         while True:
             res = await self._call("list_objects_v2", what, **params)
             assert isinstance(res, dict)
-            keys.extend(item["Key"] for item in res.get("Contents", []))
+            entries.extend(ObjectEntry(item["Key"], quote_etag(item["ETag"]) if item.get("ETag") else None,
+                                       int(item.get("Size") or 0)) for item in res.get("Contents", []))
             if not res.get("IsTruncated"):
                 break
             token = res.get("NextContinuationToken")
             if not token or token == params.get("ContinuationToken"):
                 raise StoreUnavailable(f"{what}: pagination did not advance")
             params["ContinuationToken"] = token
-        return sorted(keys)
+        return sorted(entries, key=lambda e: e.key)
 
 
 # ---------------------------------------------------------------------- helpers
