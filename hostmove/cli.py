@@ -7,6 +7,7 @@
     hostmove demo                      the main job on the embedded default
     hostmove move --host H --to R      ask the door to move a host (also: move watch|status|cut|abort --host H)
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
+    hostmove asyncapi                  print the AsyncAPI 3 document of the event stream
 
 Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
 outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     app_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
+    sub.add_parser("asyncapi", help="print the AsyncAPI 3 document of the event stream (JSON)")
     from hostmove import rehearse
 
     rehearse.add_parser(sub)
@@ -354,6 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
+        if args.command == "asyncapi":  # issue 19 item 6: bus/asyncapi.py
+            from bus.asyncapi import specification
+
+            print(json.dumps(specification(), indent=2))
+            return exitcodes.OK
         from hostmove import app_cli, move_cli
 
         runner = {"audit": _audit, "probe": _probe, "serve": _serve, "demo": _demo, "rehearse": _rehearse, "box": _box,
