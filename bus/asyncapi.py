@@ -86,8 +86,10 @@ def specification() -> dict[str, Any]:
     components = doc.setdefault("components", {})
     components["schemas"] = schemas
     messages = components.setdefault("messages", {})
+    doc.pop("servers", None)  # the placeholder broker's address is no deployment's: the servers are its own
     for ch in CHANNELS:
         channel = doc["channels"][ch.name]
+        channel.pop("servers", None)
         channel["address"] = ch.address
         if ch.parameters:
             channel["parameters"] = {name: {"description": text} for name, text in ch.parameters.items()}

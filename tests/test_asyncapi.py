@@ -40,6 +40,7 @@ ACTOR = Actor(service="test", pid=1, nonce="asyncapi")
 def test_the_document_is_asyncapi_3_with_a_schema_for_every_payload() -> None:
     doc = specification()
     assert doc["asyncapi"] == "3.0.0" and doc["info"]["title"]
+    assert "servers" not in doc, "no deployment's address is in the document"
     schemas = doc["components"]["schemas"]
     assert {"Transition", "Claim", "Record", "Fact", "PoisonAlert"} <= set(schemas), sorted(schemas)
     for ch in CHANNELS:

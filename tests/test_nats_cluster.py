@@ -9,8 +9,11 @@ and the audit is clean. ``hostmove stack up`` then starts the dead node again an
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from events.base import decode
 from events.envelope import Transition
 from events.ids import new_incarnation
 from hostmove.procs import ServiceProc, service_env
-from hostmove.stack import nats_nodes, stack_down, stack_status, stack_up
+from hostmove.stack import StackError, nats_nodes, stack_down, stack_status, stack_up
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import ENV_CREDENTIALS, load_credentials
 from kernel.ports import SystemRandom, WallClock
@@ -64,6 +67,32 @@ def test_the_cluster_is_three_nodes_and_its_url_lists_them(cluster: tuple[Path, 
     status = stack_status(root)
     assert status["running"] and [n["healthy"] for n in status["nats"]["nodes"]] == [True] * 3, status
     assert stack_up(root, nats_cluster=3) == info, "a healthy cluster is reused as it is"
+
+
+def test_the_command_starts_a_cluster_and_a_stack_of_another_size_is_refused(tmp_path: Path,
+                                                                           stack: StackInfo) -> None:
+    root = tmp_path / "cli-stack"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTMOVE_")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hostmove.cli", "--root", str(root), "stack", *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    try:
+        up = cli("up", "--nats-cluster", "3")
+        assert up.returncode == 0, up.stderr
+        urls = up.stdout.split("NATS ", 1)[1].split(",", 2)
+        assert len(urls) == 3, up.stdout
+        status = json.loads(cli("status").stdout)
+        assert status["running"] and len(status["nats"]["nodes"]) == 3, status
+        again = cli("up")  # one node asked of a running three-node cluster: refused, saying what to do
+        assert again.returncode != 0 and "hostmove stack down" in again.stderr, again
+    finally:
+        assert cli("down").returncode == 0
+    assert stack.root, "the session's stack is the embedded one"
+    with pytest.raises(StackError, match="with 1 NATS node"):
+        stack_up(stack.root, nats_cluster=3)  # the running one-server stack is left as it is
+    assert stack_status(stack.root)["running"]
 
 
 async def history_gens(events: NatsEventLog, host: str) -> dict[str, list[tuple[str, int]]]:
