@@ -12,20 +12,25 @@ import asyncio
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bus.memory_log import MemoryEventLog
+from events.claim import Claim, Op
+from events.envelope import Actor
 from events.ids import new_incarnation
 from events.record import LastMove, Move, Record
 from hostmove.procs import ServiceProc, service_env
 from hostmove.stackinfo import StackInfo
 from kernel import metrics
 from kernel.metrics import PHASES, move_observation
-from kernel.ports import SystemRandom
+from kernel.ports import ManualClock, SystemRandom
 from services.hosts.create import create_host
-from services.ledger import Committed
+from services.ledger import Committed, Ledger
+from services.objstore.memory import MemoryStore
 from tests.helpers.agents import agent_world, data_buckets, eventually
 from tests.helpers.http import free_port, get_json, post_json, scrape
 
@@ -70,6 +75,41 @@ def test_the_exposition_parses_and_carries_every_move_series() -> None:
     assert phases == set(PHASES)
     with pytest.raises(ValueError, match="unknown move phase"):
         metrics.set_budget("lunch", 1.0)
+
+
+class Racing:
+    """A store on which another writer's transition lands right before this ledger's next conditional write."""
+
+    def __init__(self, inner: MemoryStore, other: Ledger) -> None:
+        self.inner, self.other, self.races = inner, other, 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def put(self, bucket: str, key: str, body: bytes, **kw: Any) -> Any:
+        if self.races and kw.get("if_match"):
+            self.races -= 1
+            await self.other.transition("claim", "h.example", "raced", lambda cur: cur and msgspec.structs.replace(
+                cur, op=Op(kind="serving", exec="other")))
+        return await self.inner.put(bucket, key, body, **kw)
+
+
+async def test_the_ledger_counts_a_lost_cas_and_its_retry() -> None:
+    store, events, clock = MemoryStore(), MemoryEventLog(), ManualClock()
+    await store.create_bucket("metrics-b", versioned=True)
+    actor = Actor(service="test", pid=1, nonce="m")
+    other = Ledger(store, events, clock, actor, "metrics-b")
+    ledger = Ledger(Racing(store, other), events, clock, actor, "metrics-b")  # type: ignore[arg-type]
+    await ledger.transition("claim", "h.example", "created", lambda cur: Claim(host="h.example", gen=1))
+    sample = metrics.REGISTRY.get_sample_value
+    before = {n: sample(n, {"object": "claim"}) or 0.0 for n in ("hostmove_ledger_cas_conflicts_total",)}
+    retries = sample("hostmove_ledger_retries_total", {"object": "claim", "reason": "conflict"}) or 0.0
+    out = await ledger.transition("claim", "h.example", "moved", lambda cur: cur and msgspec.structs.replace(
+        cur, op=Op(kind="serving", exec="mine")))
+    assert isinstance(out, Committed) and out.state.gen == 3 and out.state.op.exec == "mine"
+    assert sample("hostmove_ledger_cas_conflicts_total", {"object": "claim"}) == \
+        before["hostmove_ledger_cas_conflicts_total"] + 1
+    assert sample("hostmove_ledger_retries_total", {"object": "claim", "reason": "conflict"}) == retries + 1
 
 
 # -- the real stack ------------------------------------------------------------------------------------------
