@@ -63,7 +63,7 @@ from services.box.roster import ensure_deployment, init_box
 from services.door.api import Door
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
-from services.objstore.port import Got, Lost, Missing, ObjectStore, VersionEntry, Won
+from services.objstore.port import Got, Lost, Missing, ObjectEntry, ObjectStore, VersionEntry, Won
 from services.objstore.s3 import S3Store
 from services.source.preparing import LaunchInputs
 from services.target.budget import Rates
@@ -148,6 +148,10 @@ class CountingStore:
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         self._count(bucket, "list_keys")
         return await self.inner.list_keys(bucket, prefix)
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        self._count(bucket, "list_keys")
+        return await self.inner.list_entries(bucket, prefix)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -25,6 +25,7 @@ from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
 from nats.js.api import ConsumerConfig
 
 from bus.subjects import FACTS_STREAM, alert_subject
+from kernel import metrics
 from kernel.credentials import Credentials, credentials_from_env
 from kernel.logctx import ctx
 
@@ -86,7 +87,8 @@ def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentia
     auth: dict[str, Any] = {}
     if creds is not None and creds.nats_seed:
         auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
-    return NatsBroker(nats_url, name=name, connect_timeout=5, **auth)
+    servers = [u.strip() for u in nats_url.split(",") if u.strip()]  # a cluster's URLs (issue 19 item 4)
+    return NatsBroker(servers, name=name, connect_timeout=5, **auth)
 
 
 def subscribe(
@@ -105,6 +107,10 @@ def subscribe(
     async def _deliver(body: bytes, msg: NatsMessage) -> None:
         raw = msg.raw_message
         md = raw.metadata
+        metrics.CONSUMER_DELIVERIES.labels(durable=durable).inc()
+        if md.num_delivered > 1:
+            metrics.CONSUMER_REDELIVERIES.labels(durable=durable).inc()
+        metrics.CONSUMER_PENDING.labels(durable=durable).set(md.num_pending)
         try:
             await handler(body, dict(msg.headers or {}))
         except Exception as exc:  # noqa: BLE001 - every failure is handled below, never terms
@@ -129,6 +135,7 @@ def subscribe(
                                                         subscriber=service, subject=raw.subject))
                 await msg.nack(delay=pol.max_backoff_s)
                 return
+            metrics.alert_raised("poison")
             await msg.ack()
             return
         await msg.ack()

@@ -15,6 +15,7 @@ from bus.log import EventLog, PubAck, WrongLastSequence
 from bus.subjects import FACTS_STREAM, alert_subject, fact_subject, incident_subject
 from events.base import Durable, Ident, Millis, canonical
 from events.envelope import Actor
+from kernel import metrics
 
 
 class Fact(Durable, frozen=True):
@@ -38,8 +39,11 @@ async def publish_fact(log: EventLog, fact: Fact) -> PubAck:
 
 async def publish_alert(log: EventLog, fact: Fact) -> PubAck:
     """An alert: the operator must look. ``fact.kind`` names the alert."""
-    return await log.publish(FACTS_STREAM, alert_subject(fact.kind), canonical(fact),
-                             msg_id=f"alert:{fact.kind}:{fact.id}")
+    ack = await log.publish(FACTS_STREAM, alert_subject(fact.kind), canonical(fact),
+                            msg_id=f"alert:{fact.kind}:{fact.id}")
+    if not ack.duplicate:
+        metrics.alert_raised(fact.kind)
+    return ack
 
 
 async def raise_incident(log: EventLog, fact: Fact) -> bool:
@@ -53,4 +57,5 @@ async def raise_incident(log: EventLog, fact: Fact) -> bool:
                           msg_id=f"incident:{fact.kind}:{fact.subject}:{fact.id}", expected_last_subject_seq=0)
     except WrongLastSequence:
         return False
+    metrics.alert_raised(fact.kind)
     return True

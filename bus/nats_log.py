@@ -17,6 +17,7 @@ restates what its stream lost).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -40,6 +41,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnav
 
 from bus.log import LogError, LogUnavailable, PubAck, StoredMessage, StreamState, WrongLastSequence
 from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS
+from kernel import metrics
 from kernel.credentials import Credentials, credentials_from_env
 
 log = logging.getLogger("hostmove.bus")
@@ -67,17 +69,40 @@ def reconnect_delay(attempt: int, *, low: float = RECONNECT_WAIT_MIN_S, cap: flo
     return min(cap, base * (0.8 + 0.4 * rng()))
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Declare the streams this system uses (idempotent)."""
+REPLICAS_ENV = "HOSTMOVE_STREAM_REPLICAS"
+"""The deployment's stream replica count (issue 19 item 4): 1 on the embedded single server, 3 on a three-node
+cluster (``hostmove stack up --nats-cluster 3`` sets it for the services it starts; the compose file sets it)."""
+
+
+def stream_replicas(env: Mapping[str, str]) -> int:
+    """The replica count :data:`REPLICAS_ENV` names (default 1); a bad value raises ``ValueError``."""
+    raw = env.get(REPLICAS_ENV, "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= 5:
+        raise ValueError(f"{REPLICAS_ENV} must be a replica count from 1 to 5 (JetStream's limit), not {raw!r}")
+    return int(raw)
+
+
+def server_urls(url: str) -> list[str]:
+    """Each server of a NATS URL list (``nats://a:4222,nats://b:4222``): nats-py takes a list, never that string."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Declare the streams this system uses with ``replicas`` replicas (idempotent). A stream found with fewer
+    replicas is raised to ``replicas`` (JetStream moves a stream's replica count in place); never lowered."""
     for name, subjects in ((LEDGER_STREAM, LEDGER_SUBJECTS), (FACTS_STREAM, FACTS_SUBJECTS)):
-        config = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE)
+        config = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, num_replicas=replicas)
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
         except NotFoundError:
             try:
                 await js.add_stream(config)
             except BadRequestError:
                 await js.stream_info(name)  # created concurrently
+            continue
+        if (info.config.num_replicas or 1) < replicas:
+            log.warning("stream %s has %d replicas; raising it to %d", name, info.config.num_replicas or 1, replicas)
+            await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
 
 
 def _headers(raw: Mapping[str, str] | None) -> dict[str, str]:
@@ -116,8 +141,9 @@ class NatsEventLog:
     """The event log over a live JetStream connection. ``connect()`` also declares the streams."""
 
     def __init__(self, nc: Client, js: JetStreamContext, timeout: float = 5.0, *, url: str = "",
-                 reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S) -> None:
+                 reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S, replicas: int = 1) -> None:
         self.nc = nc
+        self.replicas = replicas
         self.js = js
         self.timeout = timeout
         self.url = url
@@ -132,18 +158,19 @@ class NatsEventLog:
     async def connect(cls, url: str, *, name: str = "hostmove", timeout: float = 5.0, wait: bool = False,
                       reconnect_wait_max_s: float = RECONNECT_WAIT_MAX_S,
                       on_retry: Callable[[int, str], None] | None = None,
-                      credentials: Credentials | None = None) -> NatsEventLog:
+                      credentials: Credentials | None = None, replicas: int = 1) -> NatsEventLog:
         """Connect and declare the streams. Without ``wait`` an unreachable server raises
         :class:`~bus.log.LogUnavailable` at once (a command line tool); with it the connect retries forever on the
         capped backoff, calling ``on_retry(attempt, reason)`` before each wait (a service: cancel it to give up).
 
         ``credentials`` (default: the file ``HOSTMOVE_CREDENTIALS`` names, if any) authenticate the connection with
-        the role's nkey and give it the role's inbox prefix (:mod:`kernel.credentials`, :mod:`hostmove.access`)."""
+        the role's nkey and give it the role's inbox prefix (:mod:`kernel.credentials`, :mod:`hostmove.access`).
+        ``url`` may list a cluster's servers (comma-separated); the streams are declared with ``replicas``."""
         addresses = _addresses(url)
         creds = credentials if credentials is not None else credentials_from_env()
         attempt = 0
         while True:
-            reason = await cls._try_once(addresses, url, name, timeout, reconnect_wait_max_s, creds)
+            reason = await cls._try_once(addresses, url, name, timeout, reconnect_wait_max_s, creds, replicas)
             if isinstance(reason, NatsEventLog):
                 return reason
             if not wait:
@@ -155,25 +182,25 @@ class NatsEventLog:
 
     @classmethod
     async def _try_once(cls, addresses: list[tuple[str, int]], url: str, name: str, timeout: float,
-                        cap: float, creds: Credentials | None = None) -> NatsEventLog | str:
+                        cap: float, creds: Credentials | None = None, replicas: int = 1) -> NatsEventLog | str:
         """One first-connect attempt: the connected log, or why it failed. A server that accepts TCP is handed to
         nats-py (whose own first-connect loop would otherwise retry forever on a fixed wait, out of our hands)."""
         if not await _accepts(addresses, timeout):
             return f"cannot reach NATS at {url}: nothing accepts connections"
         nc = Client()
-        events = cls(nc, nc.jetstream(timeout=timeout), timeout, url=url, reconnect_wait_max_s=cap)
+        events = cls(nc, nc.jetstream(timeout=timeout), timeout, url=url, reconnect_wait_max_s=cap, replicas=replicas)
         auth: dict[str, Any] = {}
         if creds is not None and creds.nats_seed:
             auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
         try:
             await asyncio.wait_for(nc.connect(
-                url, name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True, **auth,
+                server_urls(url), name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True, **auth,
                 max_reconnect_attempts=-1, reconnect_time_wait=max(1, int(cap)),
                 ping_interval=PING_INTERVAL_S, max_outstanding_pings=3,
                 reconnect_to_server_handler=events._next_server, disconnected_cb=events._disconnected,
                 reconnected_cb=events._reconnected, error_cb=events._error, closed_cb=events._closed,
             ), timeout * 2)
-            await ensure_streams(events.js)
+            await ensure_streams(events.js, replicas=replicas)
         except _CONNECT_ERRORS as exc:
             await events._abandon()
             if "authorization violation" in f"{exc} {events.last_error}".lower():
@@ -220,7 +247,7 @@ class NatsEventLog:
     async def _redeclare(self) -> None:
         for attempt in range(10):
             try:
-                await ensure_streams(self.js)
+                await ensure_streams(self.js, replicas=self.replicas)
                 return
             except _CONNECT_ERRORS as exc:
                 log.info("streams not declared after the reconnect (%s); again", type(exc).__name__)
@@ -290,14 +317,20 @@ class NatsEventLog:
         if expected_last_subject_seq is not None:
             hdrs["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
         self._require()
+        started, outcome = time.monotonic(), "unavailable"
         try:
             ack = await self.js.publish(subject, data, stream=stream, headers=hdrs or None)
+            outcome = "duplicate" if ack.duplicate else "ok"
         except _UNAVAILABLE as exc:
             raise self._unavailable("publish outcome unknown", exc) from None
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
+                outcome = "wrong_last_sequence"
                 raise WrongLastSequence(str(exc.description)) from None
+            outcome = "refused"
             raise LogError(f"publish refused: {exc.description} ({exc.err_code})") from None
+        finally:  # to its ack, by answer (issue 19 item 5)
+            metrics.PUBLISH_SECONDS.labels(stream=stream, outcome=outcome).observe(time.monotonic() - started)
         return PubAck(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     @staticmethod

@@ -254,7 +254,10 @@ def register_nats_user(stack: StackInfo, role: str, seed: str, *, timeout_s: flo
 
 
 def _nats_running(stack: StackInfo) -> bool:
-    pid = _current_nats_pid(stack)
+    return any(_pid_running(pid) for pid in _current_nats_pids(stack))
+
+
+def _pid_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -268,21 +271,30 @@ def _nats_running(stack: StackInfo) -> bool:
 
 
 def reload_nats(stack: StackInfo) -> None:
-    """Ask the stack's NATS server to reload its configuration (SIGHUP to the pid the stack recorded)."""
-    pid = _current_nats_pid(stack)
-    try:
-        os.kill(pid, signal.SIGHUP)
-    except ProcessLookupError:
-        raise AccessError(f"the stack's NATS server (pid {pid}) is not running: `hostmove stack up`") from None
+    """Ask the stack's NATS servers to reload their configuration (SIGHUP to each pid the stack recorded: every node
+    of a cluster reads the same users)."""
+    pids = _current_nats_pids(stack)
+    reloaded = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGHUP)
+            reloaded += 1
+        except ProcessLookupError:
+            continue  # a cluster node that is down reads the users when it starts again
+    if not reloaded:
+        raise AccessError(f"the stack's NATS server (pid {', '.join(map(str, pids))}) is not running: "
+                          "`hostmove stack up`")
 
 
-def _current_nats_pid(stack: StackInfo) -> int:
-    """The NATS pid of ``run.json`` (a restarted server's), else the one ``stack`` names."""
+def _current_nats_pids(stack: StackInfo) -> list[int]:
+    """The NATS pids of ``run.json`` (a restarted server's, or every node of a cluster), else the one ``stack``
+    names."""
     try:
         run = json.loads((Path(stack.root) / "run.json").read_text())
-        return int(run["nats_pid"])
-    except (OSError, ValueError, KeyError):
-        return stack.nats_pid
+        nodes = [int(n["pid"]) for n in run.get("nats_nodes") or []]
+        return nodes or [int(run["nats_pid"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [stack.nats_pid]
 
 
 def _await_accepted(url: str, seed: str, role: str, timeout_s: float) -> None:
@@ -296,8 +308,10 @@ def _await_accepted(url: str, seed: str, role: str, timeout_s: float) -> None:
             return None
 
         try:
-            nc = await nats.connect(url, nkeys_seed_str=seed, inbox_prefix=inbox_prefix(role), allow_reconnect=False,
-                                    max_reconnect_attempts=0, connect_timeout=2, error_cb=quiet)
+            servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster lists every node
+            nc = await nats.connect(servers, nkeys_seed_str=seed, inbox_prefix=inbox_prefix(role),
+                                    allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2,
+                                    error_cb=quiet)
         except Exception:  # noqa: BLE001 - not yet reloaded
             return False
         await nc.close()

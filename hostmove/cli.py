@@ -9,6 +9,7 @@
     hostmove sim --seed N [--trace]    replay one seed of the deterministic simulation (also: gate, sweep)
     hostmove host|box list|show, move list|history|show, alerts [-o json]   read everything (hostmove.read_cli)
     hostmove login --door URL          store the door's URL and a token (also: logout; token create --role R)
+    hostmove asyncapi                  print the AsyncAPI 3 document of the event stream
 
 Exit codes: one table for every subcommand (:mod:`hostmove.exitcodes`, printed by ``hostmove --help``). An
 outage of NATS or the object store is :data:`~hostmove.exitcodes.UNAVAILABLE` with a sentence naming it
@@ -48,7 +49,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     root = Path(args.root)
     try:
         if args.action == "up":
-            info = stack_up(root)
+            info = stack_up(root, nats_cluster=args.nats_cluster)
             print(
                 f"stack up: NATS {info.nats_url}, S3 {info.s3_endpoint} (endpoints in {root / 'stack.json'})"
             )
@@ -272,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("stack", help="start, stop or inspect the embedded stack")
     st.add_argument("action", choices=("up", "down", "status"))
+    st.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="up: N JetStream nodes of one cluster on loopback, the streams with N replicas (default 1)")
     au = sub.add_parser("audit", help="replay the ledger stream and check it against S3")
     au.add_argument("--host")
     au.add_argument("--strict", action="store_true", help="fail on rebase notices too")
@@ -319,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ops_cli.add_parsers(sub)
     sub.add_parser("demo", help="bring the stack up and show the system working")
+    sub.add_parser("asyncapi", help="print the AsyncAPI 3 document of the event stream (JSON)")
     from hostmove import rehearse
 
     rehearse.add_parser(sub)
@@ -339,6 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stack":
             return cmd_stack(args)
+        if args.command == "asyncapi":  # issue 19 item 6: bus/asyncapi.py
+            from bus.asyncapi import specification
+
+            print(json.dumps(specification(), indent=2))
+            return exitcodes.OK
         from hostmove import app_cli, move_cli, ops_cli
 
         if getattr(args, "read", None) is not None:  # the read commands (hostmove.read_cli)

@@ -7,6 +7,7 @@ connects to anything, so a service waiting for NATS or S3 at start already answe
 - ``GET /readyz``: every dependency answers: ``nats`` (the connection is up and JetStream answered a stream info
   within the last few seconds), ``s3`` (a cheap request succeeded recently), and for the projections
   ``projection`` (the projector runs and its lag behind the stream is within a bound). 200 or 503.
+- ``GET /metrics``: the process's Prometheus metrics (:mod:`kernel.metrics`, issue 19 item 5), text exposition.
 
 Both answer JSON naming each dependency's state and, when it is not ok, the reason::
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from kernel import metrics
 
 log = logging.getLogger("hostmove.health")
 
@@ -204,8 +207,12 @@ class Health:
             ok, body = self.readiness()
             return web.json_response(body, status=200 if ok else 503)
 
+        async def metrics_(_request: web.Request) -> web.Response:
+            return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
         app.router.add_get("/livez", livez)
         app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", metrics_)
 
     async def start(self, bind: str = DEFAULT_BIND, port: int = 0) -> int:
         """Serve ``/livez`` and ``/readyz`` on ``bind:port`` (0: a free port) and start the checks; answers the

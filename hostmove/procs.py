@@ -41,6 +41,7 @@ def service_env(stack: StackInfo, *, root: Path, bucket: str, extra: Mapping[str
     env.update({
         "HOSTMOVE_NATS_URL": stack.nats_url, "HOSTMOVE_S3_ENDPOINT": stack.s3_endpoint, **keys,
         "HOSTMOVE_S3_REGION": stack.s3_region, "HOSTMOVE_BUCKET": bucket, "HOSTMOVE_ROOT": str(root),
+        "HOSTMOVE_STREAM_REPLICAS": str(stack.stream_replicas),
     })
     env.update(extra or {})
     return env

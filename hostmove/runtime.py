@@ -21,13 +21,14 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
 
 from bus.log import LogUnavailable
-from bus.nats_log import NatsEventLog
+from bus.nats_log import NatsEventLog, stream_replicas
 from bus.subjects import LEDGER_STREAM
 from events.envelope import Actor
 from hostmove.health import Health
@@ -70,6 +71,8 @@ class Settings:
     credentials: Credentials | None = None
     """The role this process acts as (its NATS nkey and inbox, its S3 identity); None: the S3 keys above and no
     NATS credentials (a server with authentication refuses that)."""
+    stream_replicas: int = 1
+    """The streams' replica count (``HOSTMOVE_STREAM_REPLICAS``, else the embedded stack's; issue 19 item 4)."""
 
     def __repr__(self) -> str:  # never print the secret
         role = self.credentials.role if self.credentials is not None else "-"
@@ -125,6 +128,7 @@ def load_settings(root: Path | None = None, *, role: str | None = None) -> Setti
             root=root,
             local=False,
             credentials=creds,
+            stream_replicas=_replicas(env, 1),
         )
     stack_file = root / "stack.json"
     if not stack_file.exists():
@@ -138,7 +142,18 @@ def load_settings(root: Path | None = None, *, role: str | None = None) -> Setti
         raise ConfigError(
             f"{stack_file} is unreadable ({exc}); run `hostmove stack down` then `up`"
         ) from None
-    return settings_from_stack(info, root=root, bucket=bucket, credentials=_role_credentials(root, role))
+    settings = settings_from_stack(info, root=root, bucket=bucket, credentials=_role_credentials(root, role))
+    return replace(settings, stream_replicas=_replicas(env, settings.stream_replicas))
+
+
+def _replicas(env: Mapping[str, str], default: int) -> int:
+    """``HOSTMOVE_STREAM_REPLICAS`` when set, else ``default``; a bad value is a :class:`ConfigError`."""
+    if not env.get("HOSTMOVE_STREAM_REPLICAS", "").strip():
+        return default
+    try:
+        return stream_replicas(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def settings_from_stack(info: StackInfo, *, root: Path, bucket: str = DEFAULT_BUCKET,
@@ -161,6 +176,7 @@ def settings_from_stack(info: StackInfo, *, root: Path, bucket: str = DEFAULT_BU
         root=root,
         local=True,
         credentials=creds,
+        stream_replicas=info.stream_replicas,
     )
 
 
@@ -275,7 +291,8 @@ async def open_runtime(settings: Settings, service: str, *, box: str = "", probe
                 log.warning("waiting for NATS at %s (%s)", settings.nats_url, reason)
 
         events = await NatsEventLog.connect(settings.nats_url, name=f"hostmove-{service}", wait=wait,
-                                            on_retry=retrying, credentials=settings.credentials)
+                                            on_retry=retrying, credentials=settings.credentials,
+                                            replicas=settings.stream_replicas)
     except BaseException:
         await store.close()
         raise

@@ -18,7 +18,8 @@ objects, the projection's stored position), never memory.
 - ``box``: one box's agent (``--label L``): its instances and both sides of its moves, woken by ledger events
   and a scan (:mod:`services.agent.service`). Refuses to run where it cannot spawn strictly (§5.3).
   ``HOSTMOVE_PROFILE`` picks the timing profile (``fast`` for the embedded default, ``production``);
-  ``HOSTMOVE_IDLE_S`` overrides how long a serving instance may be idle before it sleeps (``never``: it does not).
+  ``HOSTMOVE_IDLE_S`` overrides how long a serving instance may be idle before it sleeps (``never``: it does not);
+  ``HOSTMOVE_SCAN_S`` the period of its backstop look at the claims.
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 
@@ -226,7 +227,14 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from kernel.failpoints import Failpoints
     from kernel.timetext import utc_text
     from services.agent.config import BoxConfigError, load_box
-    from services.agent.service import PROFILES, BoxAgent, cut_window_override, idle_override, prepare_override
+    from services.agent.service import (
+        PROFILES,
+        BoxAgent,
+        cut_window_override,
+        idle_override,
+        prepare_override,
+        scan_override,
+    )
     from services.box.instance.agentcg import box_session
     from services.box.instance.proctree import CgroupTree
     from services.box.roster import ensure_deployment
@@ -246,6 +254,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         timing = idle_override(PROFILES[profile], os.environ.get("HOSTMOVE_IDLE_S"))
         timing = prepare_override(timing, os.environ.get("HOSTMOVE_PREPARE_BOUND_S"))
         timing = cut_window_override(timing, os.environ.get("HOSTMOVE_CUT_WINDOW_S"))
+        timing = scan_override(timing, os.environ.get("HOSTMOVE_SCAN_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2

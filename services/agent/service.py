@@ -5,9 +5,10 @@ workers, both sides (:mod:`services.agent.sides`): the source side for moves lea
 moves landing on it. It keeps nothing that matters in memory:
 
 - **Wake-ups.** Every ledger event (core NATS on ``hm.ledger.>``) marks its host dirty; a scan of the claims
-  every ``scan_s`` marks every host whose claim names this box (``op.exec`` or a participant), so a missed
-  event, a restart or a deadline is picked up without one. A step that must wait (a park's horizon, a
-  preparing round's pace) schedules its own wake.
+  every ``scan_s`` (``HOSTMOVE_SCAN_S``) marks every host whose claim names this box (``op.exec`` or a
+  participant), so a missed event, a restart or a deadline is picked up without one. The scan lists the claims
+  with their ETags and reads only the changed ones (:mod:`services.agent.scan`). A step that must wait (a park's
+  horizon, a preparing round's pace) schedules its own wake.
 - **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
   the workers re-read again before every write (K5) and every phase is journaled before its effects, so a
   pass after a crash replays to the same outcome.
@@ -42,7 +43,7 @@ from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
 from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
 from events.claim import Claim
 from events.record import Record
-from kernel import ports, rules
+from kernel import metrics, ports, rules
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
 from kernel.ports import Clock, Random, blocking
@@ -55,6 +56,7 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
+from services.agent.scan import ClaimScan
 from services.agent.sides import (
     FAST,
     Deployment,
@@ -120,7 +122,6 @@ def dependency_of(exc: Exception) -> str:
     """The dependency an outage's exception names, in the operator's words."""
     return "NATS (the event stream)" if isinstance(exc, LogUnavailable) else "the object store (S3)"
 
-CLAIMS_PREFIX = "control/hosts/"
 SECOND_WRITER = "second-writer"
 """The alert of an instance this box stopped because its claim names another writer (issue 14 item 5)."""
 
@@ -214,6 +215,20 @@ def cut_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     return replace(timing, move=move, budget=replace(timing.budget, window_s=window))
 
 
+def scan_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_SCAN_S``: the period of the backstop's look at the claims (:mod:`services.agent.scan`, issue 19
+    item 2); unset keeps the profile's. Anything else is refused with the reason."""
+    if text is None or not text.strip():
+        return timing
+    try:
+        scan_s = float(text)
+    except ValueError:
+        scan_s = -1.0
+    if not 0 < scan_s < float("inf"):
+        raise ValueError(f"HOSTMOVE_SCAN_S must be a positive number of seconds, not {text!r}")
+    return replace(timing, scan_s=scan_s)
+
+
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
 
 
@@ -299,6 +314,8 @@ class BoxAgent:
         self._sweep_next: dict[str, float] = {}
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
+        self.claims = ClaimScan(store, bucket, ledger, self.bad_objects.report)
+        """The backstop's look at the claims, by ETag (issue 19 item 2)."""
         self.sleep = SleepMarks(cfg.box_dir)
         self._activity: dict[str, Activity] = {}
         self._stopping: set[str] = set()
@@ -310,10 +327,20 @@ class BoxAgent:
         self._faults = faults
         self._http: aiohttp.ClientSession | None = None
         self._down: str | None = None  # the dependency outage the passes wait out, named once (:meth:`_outage`)
+        metrics.set_budget("prepare", self.timing.move.source.prepare_bound_s)  # §7.11
+        metrics.BOX_INSTANCES.labels(box=cfg.label).set_function(lambda: len(self.instances))
+        metrics.BOX_ROUTES_HELD.labels(box=cfg.label).set_function(self._held_routes)
 
     @property
     def label(self) -> str:
         return self.cfg.label
+
+    def _held_routes(self) -> float:
+        """The route rows a move holds on this box (``hostmove_box_routes_held``), read when metrics are scraped."""
+        try:
+            return float(sum(1 for row in self.registry.rows() if row.held))
+        except Exception:  # noqa: BLE001 - a closed registry (the agent stopping) has no figure
+            return float("nan")
 
     async def _read_claim(self, host: str) -> Claim | None:
         return (await self.ledger.read_claim(host)).state
@@ -663,22 +690,13 @@ class BoxAgent:
 
     async def scan(self) -> set[str]:
         """Every host whose claim names this box (exec or participant); the others get the region's straggler
-        sweep on its own cadence (``sweep_s``)."""
-        keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
+        sweep on its own cadence (``sweep_s``). The claims are listed with their ETags and only the changed ones
+        read (:mod:`services.agent.scan`, issue 19 item 2)."""
         hosts = set()
-        for key in keys:
-            if not key.endswith(".json"):
-                continue
-            host = unquote(key[len(CLAIMS_PREFIX):-5])
-            try:
-                claim = (await self.ledger.read_claim(host)).state
-            except BadObject as bad:  # this host only: every other claim is read on (issue 14 item 6)
-                await self.bad_objects.report(bad)
-                continue
-            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
-                                      or host in self.instances):
+        for host, claim in (await self.claims.look()).items():
+            if claim.op.exec == self.label or self.label in claim.op.participants or host in self.instances:
                 hosts.add(host)
-            elif claim is not None:
+            else:
                 await self._sweep(host, claim)
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
@@ -858,6 +876,9 @@ class BoxAgent:
         if self._http is not None:
             await self._http.close()
         await self.activator.close()  # every instance of the box, a landing's probe included
+        for gauge in (metrics.BOX_INSTANCES, metrics.BOX_ROUTES_HELD):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.label)
         for closable in (self.registry, self.stamps, self.timers):
             closable.close()
 
@@ -878,4 +899,4 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
 
 
 __all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
-           "cut_window_override", "idle_override", "prepare_override", "read_endpoint"]
+           "cut_window_override", "idle_override", "prepare_override", "read_endpoint", "scan_override"]

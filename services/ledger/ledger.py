@@ -37,7 +37,7 @@ from events.claim import Claim
 from events.durable import DurableValueError
 from events.envelope import MAX_CAUSATION_CHARS, MAX_NAME_CHARS, Actor, EventMeta, ObjectKind, Transition
 from events.record import Record
-from kernel import rules
+from kernel import metrics, rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.ledger.movelog import MoveLog
@@ -278,7 +278,8 @@ class Ledger:
         cls = _CLASSES[obj]
         lost: Conflict = Conflict(None)
         stale = 0
-        for _ in range(max(attempts, 1)):
+        tries = max(attempts, 1)
+        for attempt in range(tries):
             cur = await self.read(obj, host)
             try:
                 if rules.on("publish-before-supersede"):
@@ -289,9 +290,12 @@ class Ledger:
                 stale += 1
                 if stale > STALE_READS:
                     raise LedgerDefect(str(exc)) from None
+                metrics.LEDGER_RETRIES.labels(object=obj, reason="stale_read").inc()
                 continue  # a writer committed between our two reads: read again
             decision = decide(cur.state)  # type: ignore[arg-type]
             if isinstance(decision, NoChange | Refusal):
+                outcome = "refused" if isinstance(decision, Refusal) else "no_change"
+                metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome=outcome).inc()
                 return decision
             if not isinstance(decision, cls):
                 raise TypeError(f"decide returned {type(decision).__name__}, not {cls.__name__}")
@@ -315,7 +319,13 @@ class Ledger:
             )
             if isinstance(put, Lost):
                 lost = Conflict(put.current_etag)
+                metrics.LEDGER_CAS_CONFLICTS.labels(object=obj).inc()
+                if attempt + 1 < tries:
+                    metrics.LEDGER_RETRIES.labels(object=obj, reason="conflict").inc()
                 continue
+            metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome="committed").inc()
+            if obj == "record":
+                metrics.observe_record(cur.state, new)  # type: ignore[arg-type]
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
@@ -324,6 +334,7 @@ class Ledger:
             self._fault("after_publish")
             self._fault(f"after_publish:{obj}:{meta_name}")
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
+        metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome="conflict").inc()
         return lost
 
     async def _publish_after_cas(
@@ -434,6 +445,7 @@ class Ledger:
             except LogError:
                 if attempt == 2:
                     raise
+                metrics.LEDGER_RETRIES.labels(object=obj, reason="publish").inc()
                 continue  # unknown outcome: the conditional retry tells us (10071 if it landed)
         raise LogError("publish did not settle")
 

@@ -40,6 +40,7 @@ from services.objstore.port import (
     Lost,
     Missing,
     NoSuchBucket,
+    ObjectEntry,
     StoreUnavailable,
     VersionEntry,
     Won,
@@ -462,6 +463,18 @@ class MemoryStore:
             return [k for k in b.under(prefix) if self._current(b, k) is not None]
 
         return await self._run("list_keys", None, effect)
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        def effect() -> list[ObjectEntry]:
+            b = self._bucket(bucket)
+            out = []
+            for k in b.under(prefix):
+                v = self._current(b, k)
+                if v is not None:
+                    out.append(ObjectEntry(k, v.etag, 0 if v.body is None else len(v.body)))
+            return out
+
+        return await self._run("list_keys", None, effect)  # the same request as list_keys (ListObjectsV2)
 
     async def close(self) -> None:
         self.closed = True

@@ -58,6 +58,15 @@ class VersionEntry:
     last_modified_ms: int
 
 
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A current object of a listing: its key and ETag (quoted), as ListObjectsV2 gives them, 1,000 a request."""
+
+    key: str
+    etag: str | None
+    size: int
+
+
 class StoreError(Exception):
     """A defect talking to the store. Never a reason to act (C6)."""
 
@@ -120,6 +129,11 @@ class ObjectStore(Protocol):
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Current keys under ``prefix``, all pages, in key order."""
+        ...
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        """Current objects under ``prefix`` with their ETags, all pages, in key order (issue 19 item 2: a reader
+        that keeps what it read by ETag GETs only what changed)."""
         ...
 
     async def close(self) -> None: ...

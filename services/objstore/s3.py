@@ -20,6 +20,7 @@ no body (code ``"404"``/``"403"``), so a HEAD on a missing bucket reads as :clas
 
 from __future__ import annotations
 
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
@@ -37,6 +38,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from kernel import metrics
 from services.objstore.memory import normalize_metadata
 from services.objstore.port import (
     AccessDenied,
@@ -45,6 +47,7 @@ from services.objstore.port import (
     Lost,
     Missing,
     NoSuchBucket,
+    ObjectEntry,
     StoreError,
     StoreUnavailable,
     VersionEntry,
@@ -228,11 +231,14 @@ class S3Store:
         status in ``handle`` come back as a :class:`_Rejection` (except NoSuchBucket); every other
         failure raises a mapped StoreError."""
         client = self._require_client(once=once)
+        started, status_text = time.monotonic(), "unreachable"
         try:
             response: dict[str, Any] = await getattr(client, method)(**params)
+            status_text = str((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 200)
             return response
         except ClientError as exc:
             status, code = _status_code(exc)
+            status_text = str(status or "unreachable")
             if status in handle and code != "NoSuchBucket":
                 return _Rejection(status, code)
             raise self._map_client_error(exc, what) from None
@@ -241,7 +247,14 @@ class S3Store:
         except Exception as exc:  # aiohttp and friends leaking through aiobotocore
             if type(exc).__module__.startswith(("aiohttp", "botocore", "aiobotocore")):
                 raise self._map_other(exc, what) from None
+            status_text = "error"
             raise
+        except BaseException:  # cancelled mid-request
+            status_text = "cancelled"
+            raise
+        finally:  # every request, by operation and answer (issue 19 item 5)
+            metrics.S3_REQUESTS.labels(operation=method, status=status_text).inc()
+            metrics.S3_SECONDS.labels(operation=method).observe(time.monotonic() - started)
 
     async def _current_etag(self, bucket: str, key: str, version_id: str | None = None) -> str | None:
         """The follow-up HEAD behind every :class:`Lost` (port: ``current_etag``)."""
@@ -436,20 +449,27 @@ class S3Store:
         return entries
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
-        keys: list[str] = []
+        return [e.key for e in await self._list_objects(bucket, prefix, f"list_keys {bucket}/{prefix}")]
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        return await self._list_objects(bucket, prefix, f"list_entries {bucket}/{prefix}")
+
+    async def _list_objects(self, bucket: str, prefix: str, what: str) -> list[ObjectEntry]:
+        """ListObjectsV2, every page (``page_size`` keys each), sorted by key."""
+        entries: list[ObjectEntry] = []
         params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.page_size}
-        what = f"list_keys {bucket}/{prefix}"
         while True:
             res = await self._call("list_objects_v2", what, **params)
             assert isinstance(res, dict)
-            keys.extend(item["Key"] for item in res.get("Contents", []))
+            entries.extend(ObjectEntry(item["Key"], quote_etag(item["ETag"]) if item.get("ETag") else None,
+                                       int(item.get("Size") or 0)) for item in res.get("Contents", []))
             if not res.get("IsTruncated"):
                 break
             token = res.get("NextContinuationToken")
             if not token or token == params.get("ContinuationToken"):
                 raise StoreUnavailable(f"{what}: pagination did not advance")
             params["ContinuationToken"] = token
-        return sorted(keys)
+        return sorted(entries, key=lambda e: e.key)
 
 
 # ---------------------------------------------------------------------- helpers

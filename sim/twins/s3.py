@@ -35,6 +35,7 @@ from services.objstore.port import (
     Got,
     Lost,
     Missing,
+    ObjectEntry,
     StoreError,
     StoreUnavailable,
     VersionEntry,
@@ -573,6 +574,10 @@ class SimS3Client:
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         return await self._call(Access("list_keys", bucket, prefix),
                                 lambda: self.server.inner.list_keys(bucket, prefix))
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        return await self._call(Access("list_keys", bucket, prefix),  # the same request (ListObjectsV2)
+                                lambda: self.server.inner.list_entries(bucket, prefix))
 
     async def close(self) -> None:
         return None

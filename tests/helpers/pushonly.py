@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from services.objstore.port import AccessDenied, Got, Lost, Missing, ObjectStore, VersionEntry, Won
+from services.objstore.port import AccessDenied, Got, Lost, Missing, ObjectEntry, ObjectStore, VersionEntry, Won
 
 
 class PushOnly:
@@ -75,6 +75,10 @@ class PushOnly:
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         self._deny("list_keys", bucket, prefix)
         return await self.store.list_keys(bucket, prefix)
+
+    async def list_entries(self, bucket: str, prefix: str = "") -> list[ObjectEntry]:
+        self._deny("list_keys", bucket, prefix)
+        return await self.store.list_entries(bucket, prefix)
 
     async def close(self) -> None:
         await self.store.close()
