@@ -438,9 +438,10 @@ async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, envir
         out(f"   {uk.region} still holds the move's staging lane (the check below says which)")
     root = rt.settings.root
     shown = await checks(
-        events=rt.events, store=rt.store, host=host, port=port, target_db=box.box_dir / "data" / f"{host}.db",
+        events=rt.events, store=rt.store, host=host, port=port,
+        target_db=instance_dir(box.box_dir / "data", host) / f"{host}.db",
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label, f"{ie.region}-r": label}),
-        left_bucket=region_bucket(uk.region), left_local=[uk.box_dir / "data" / f"{host}.db"],
+        left_bucket=region_bucket(uk.region), left_local=[instance_dir(uk.box_dir / "data", host) / f"{host}.db"],
         once_after_ms=ONCE_AFTER_MS, runner_deaths=1)  # the fence killed the source's agent mid-run
     converted = ""
     async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):

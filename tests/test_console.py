@@ -6,7 +6,6 @@ with the door and the projections service in this process over real HTTP: the hi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -337,7 +336,7 @@ def test_the_cli_registers_one_naming_and_completion() -> None:
     assert p.parse_args(["box", "show", "--box", "ie-1"]).box == "ie-1"
     with pytest.raises(SystemExit):
         p.parse_args(["--version"])
-    ns = argparse.Namespace(command="completion", shell="bash")
+    ns = p.parse_args(["completion", "bash"])  # the parsed command carries the whole parser it completes
     import io
 
     buf = io.StringIO()

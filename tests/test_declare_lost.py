@@ -33,6 +33,7 @@ from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
 from kernel.timetext import utc_text
 from services.box.fence import read_fence
+from services.box.instance.sandbox import instance_dir
 from services.door.api import Door, make_app
 from services.door.auth import Identity, TokenSet
 from services.door.declare import DeclareLost, declare_lost
@@ -152,7 +153,7 @@ async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves
         port = await serving_port(w, "ie", host, timeout_s=60)
         assert await asyncio.to_thread(post_write, port, "after-declare-lost")  # it serves and takes writes again
         logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
-        check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
+        check = nothing_missing(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", logs, host, declared_list)
         assert check.ok, check.line()
         audit = await run_audit(w.events, w.ledger, host=host)
         assert audit.clean(strict=True), [f.line() for f in audit.findings]
@@ -203,7 +204,7 @@ async def test_a_fenced_target_before_the_commit_is_evidence_with_no_operator(
         assert await asyncio.to_thread(post_write, port, "after-the-fence")
         declared_list = await declared_losses(w.events, host)
         logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
-        check = nothing_missing(w.box_dir("ie") / "data" / f"{host}.db", logs, host, declared_list)
+        check = nothing_missing(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", logs, host, declared_list)
         assert check.ok, check.line()
         audit = await run_audit(w.events, w.ledger, host=host)
         assert audit.clean(strict=True), [f.line() for f in audit.findings]

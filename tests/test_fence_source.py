@@ -28,6 +28,7 @@ from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
 from services.box.fence import FenceRef, read_fence
+from services.box.instance.sandbox import instance_dir
 from services.box.replica.restore import restore_generation
 from services.box.roster import init_box
 from services.door.api import Door
@@ -121,7 +122,7 @@ async def test_a_source_fenced_before_the_flip_becomes_a_relocation_that_waits_f
                 port = await eventually(served_there, f"{host} serving on {replacement}", 60)
             except AssertionError:
                 raise AssertionError(new_agent.output()[-3000:]) from None
-            served_db = w.root / "boxes" / replacement / "data" / f"{host}.db"
+            served_db = instance_dir(w.root / "boxes" / replacement / "data", host) / f"{host}.db"
             assert missing_from_db(served_db, list(acks)) == [], "every durable write serves on the replacement"
             assert await asyncio.to_thread(post_write, port, "after the conversion") > seqs[-1]
 

@@ -36,6 +36,7 @@ from services.box.instance.activator import Activator, AppSpec, BaselineRefused,
 from services.box.instance.coverage import MAX_ADMISSIONS, PARK_GENERATION, chore_name
 from services.box.instance.proctree import CgroupTree
 from services.box.instance.registry import Registry, RouteRow
+from services.box.instance.sandbox import instance_dir
 from services.box.instance.stamps import StampBook
 from services.box.replica.layout import generation_prefixes
 from services.box.replica.restore import restore_generation
@@ -332,8 +333,8 @@ async def test_a_published_generation_found_empty_is_refused_with_an_alert(world
             await world.store.delete(bucket, v.key, version_id=v.version_id)
             gone += 1
     assert gone, "the generation held objects before"
-    for path in ctx.data_dir.glob(f"{host}.db*"):  # and the disk lost (else the next wake flushes it back, §5.3)
-        path.unlink()
+    for path in instance_dir(ctx.data_dir, host).glob(f"{host}.db*"):  # the disk lost too (else the next wake
+        path.unlink()                                                    # flushes it back, §5.3)
     for _ in range(2):
         with pytest.raises(BaselineRefused, match="holds no replica file"):
             await act.wake(host)

@@ -25,6 +25,7 @@ from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
 from services.agent.service import read_endpoint
 from services.box.instance.registry import Registry
+from services.box.instance.sandbox import instance_dir
 from services.box.quarantine import decide_readmit_claim, decide_retired, owes_quarantine
 from services.door.api import Door
 from services.door.auth import Identity
@@ -69,7 +70,7 @@ async def test_a_lost_box_that_comes_back_is_quarantined_then_readmitted_and_cho
         await closed_on_ie(w, host, move_id, "rolled_back")
 
         uk_dir = w.box_dir("uk")
-        db = uk_dir / "data" / f"{host}.db"
+        db = instance_dir(uk_dir / "data", host) / f"{host}.db"
         assert db.exists(), "the lost box still holds its local copy of the host"
         refused = await cli(stack, w, "http://127.0.0.1:9", "box", "readmit", "--label", uk)
         assert refused.returncode == 5 and "has not retired its local state" in refused.stderr, refused

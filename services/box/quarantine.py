@@ -32,7 +32,7 @@ from services.box.instance.guard import host_guard
 from services.box.instance.registry import Registry
 from services.box.instance.stamps import StampBook
 from services.box.instance.timers import Timers
-from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
+from services.ledger.ledger import BadObject, Committed, Ledger, NoChange, Refusal
 from services.objstore.port import StoreUnavailable
 
 rules.register(
@@ -122,7 +122,12 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
         if not key.endswith(".json"):
             continue
         host = unquote(key[len(CLAIMS_PREFIX):-5])
-        if not owes_quarantine((await ledger.read_claim(host)).state, label):
+        try:
+            owed = owes_quarantine((await ledger.read_claim(host)).state, label)
+        except BadObject as bad:  # that host only (issue 14 item 6): the agent's scan alerts it once; never its own
+            log.warning("box %s cannot read the claim of %s before anything else (%s); skipped", label, host, bad)
+            continue
+        if not owed:
             continue
 
         async def read_claim(host: str = host) -> Claim | None:
