@@ -163,8 +163,12 @@ def exposition() -> bytes:
 def alert_raised(kind: str) -> None:
     """Count an alert or incident of ``kind`` (``hostmove_alerts_total``). Not inside the simulation: a counter's
     first series of a label reads the wall clock (its ``_created``), which the simulation refuses."""
-    if not ports.simulated():
+    if ports.simulated():
+        return
+    try:  # a metric never fails the alert it counts (the simulation's stand-in world refuses the wall clock too)
         ALERTS.labels(kind=kind).inc()
+    except Exception:  # noqa: BLE001 - best effort by design: the alert itself is already durable
+        return
 
 
 # Every series of a bounded label set exists from the start, at zero (and the simulation, which runs the ledger,

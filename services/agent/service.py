@@ -6,9 +6,8 @@ moves landing on it. It keeps nothing that matters in memory:
 
 - **Wake-ups.** Every ledger event (core NATS on ``hm.ledger.>``) marks its host dirty; a scan of the claims
   every ``scan_s`` (``HOSTMOVE_SCAN_S``) marks every host whose claim names this box (``op.exec`` or a
-  participant), so a missed event, a restart or a deadline is picked up without one. The scan lists the claims
-  with their ETags and reads only the changed ones (:mod:`services.agent.scan`). A step that must wait (a park's
-  horizon, a preparing round's pace) schedules its own wake.
+  participant), so a missed event, a restart or a deadline is picked up without one. A step that must wait (a
+  park's horizon, a preparing round's pace) schedules its own wake.
 - **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
   the workers re-read again before every write (K5) and every phase is journaled before its effects, so a
   pass after a crash replays to the same outcome.
@@ -56,7 +55,6 @@ from services.agent.config import (
     region_bucket,
     sample_launch,
 )
-from services.agent.scan import ClaimScan
 from services.agent.sides import (
     FAST,
     Deployment,
@@ -109,6 +107,8 @@ from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
 log = logging.getLogger("hostmove.agent")
+
+CLAIMS_PREFIX = "control/hosts/"
 
 rules.register(
     "commit-before-open",
@@ -216,7 +216,7 @@ def cut_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
 
 
 def scan_override(timing: AgentTiming, text: str | None) -> AgentTiming:
-    """``HOSTMOVE_SCAN_S``: the period of the backstop's look at the claims (:mod:`services.agent.scan`, issue 19
+    """``HOSTMOVE_SCAN_S``: the period of the backstop's look at the claims (issue 19
     item 2); unset keeps the profile's. Anything else is refused with the reason."""
     if text is None or not text.strip():
         return timing
@@ -314,8 +314,6 @@ class BoxAgent:
         self._sweep_next: dict[str, float] = {}
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
-        self.claims = ClaimScan(store, bucket, ledger, self.bad_objects.report)
-        """The backstop's look at the claims, by ETag (issue 19 item 2)."""
         self.sleep = SleepMarks(cfg.box_dir)
         self._activity: dict[str, Activity] = {}
         self._stopping: set[str] = set()
@@ -690,13 +688,24 @@ class BoxAgent:
 
     async def scan(self) -> set[str]:
         """Every host whose claim names this box (exec or participant); the others get the region's straggler
-        sweep on its own cadence (``sweep_s``). The claims are listed with their ETags and only the changed ones
-        read (:mod:`services.agent.scan`, issue 19 item 2)."""
+        sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can be older than the
+        object (a store's listing lags its writes, as the simulation's does), and a claim kept from an older read
+        missed a move naming this box until its prepare bound aborted it (move seed 44)."""
+        keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
         hosts = set()
-        for host, claim in (await self.claims.look()).items():
-            if claim.op.exec == self.label or self.label in claim.op.participants or host in self.instances:
+        for key in keys:
+            if not key.endswith(".json"):
+                continue
+            host = unquote(key[len(CLAIMS_PREFIX):-5])
+            try:
+                claim = (await self.ledger.read_claim(host)).state
+            except BadObject as bad:  # this host only: every other claim is read on (issue 14 item 6)
+                await self.bad_objects.report(bad)
+                continue
+            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
+                                      or host in self.instances):
                 hosts.add(host)
-            else:
+            elif claim is not None:
                 await self._sweep(host, claim)
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
