@@ -80,3 +80,13 @@ def test_every_package_is_read() -> None:
     for package in PRODUCTION:
         assert files(package), package
     assert (ROOT / "kernel" / "ports.py").exists() and not (ROOT / "hostmove" / "ports.py").exists()
+
+
+def test_no_test_helper_shadows_a_standard_module() -> None:
+    """``tests/helpers/`` scripts run as ``python tests/helpers/x.py`` (the probe's apps), which puts that folder
+    first on ``sys.path``: a helper named like a standard module (``http.py``) broke every app importing it."""
+    import sys
+
+    helpers = Path(__file__).resolve().parent / "helpers"
+    shadowing = sorted(p.stem for p in helpers.glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert not shadowing, shadowing

@@ -32,7 +32,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.objstore.memory import MemoryStore
 from tests.helpers.agents import agent_world, data_buckets, eventually
-from tests.helpers.http import free_port, get_json, post_json, scrape
+from tests.helpers.webcalls import free_port, get_json, post_json, scrape
 
 TOKEN = "metrics-operator-token"
 APP = {"MOVEPROBE_INTERVAL_S": "0.5"}

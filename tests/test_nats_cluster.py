@@ -38,7 +38,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed
 from services.ledger.audit import run_audit
 from tests.helpers.agents import agent_world, data_buckets, eventually
-from tests.helpers.http import free_port, get_json
+from tests.helpers.webcalls import free_port, get_json
 
 APP = {"MOVEPROBE_INTERVAL_S": "0.5"}
 
