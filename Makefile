@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
+.PHONY: demo test browser nats-cluster bench lint clean stack-down sim-baseline sim-sweep crash-matrix outages rehearse
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -79,3 +79,7 @@ stack-down: $(STAMP)
 clean:
 	-$(BIN)/hostmove stack down
 	rm -rf $(VENV) .hostmove
+
+# A move on the three-node JetStream cluster while its stream leader is SIGKILLed (issue 19 item 4).
+nats-cluster: $(STAMP)
+	HOSTMOVE_NATS_CLUSTER=1 $(BIN)/python -m pytest -q tests/test_nats_cluster.py
