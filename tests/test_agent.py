@@ -82,7 +82,7 @@ async def request_move(w: AgentWorld, host: str) -> str:
     return str(answer.body["move"]["id"])
 
 
-async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 90.0) -> None:
+async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 150.0) -> None:
     """The move closed as done and the claim serves on the target (K8)."""
 
     async def check() -> bool:
