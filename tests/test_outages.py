@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -47,12 +46,13 @@ from hostmove.procs import ServiceProc, service_env
 from hostmove.stack import RunState, _pid_alive, _signal, stack_down, stack_up
 from hostmove.stackinfo import StackInfo
 from kernel.credentials import ENV_CREDENTIALS
-from kernel.ports import SystemRandom, WallClock
+from kernel.ports import SystemRandom, WallClock, free_port
 from services.ledger import Committed, Ledger
 from services.objstore.memory import MemoryStore
 from services.objstore.port import StoreUnavailable
 from services.recovery.recovery import RecoveryPass
 from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
+from tests.helpers.webcalls import get_json as get
 from tests.test_agent import APP, assert_served_on_uk, create_and_write, moved, serving_port
 
 OUTAGE_S = float(os.environ.get("HOSTMOVE_OUTAGE_S", "15"))
@@ -245,24 +245,7 @@ async def test_a_recovery_pass_stops_at_an_outage_and_names_it() -> None:
     assert (await recovery.run_once()).unavailable is None
 
 
-# -- helpers -------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str, timeout_s: float = 3.0) -> tuple[int, dict[str, Any]]:
-    """``(status, JSON body)``; ``(0, {})`` when nothing answers."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-    except OSError:
-        return 0, {}
+# -- helpers (free_port and get: tests/helpers/webcalls.py) ---------------------------------------------------
 
 
 def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:

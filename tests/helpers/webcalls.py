@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kernel.ports import free_port as free_port  # the one free-port helper, re-exported for the service tests
 
 
 def get_json(port: int, path: str, timeout_s: float = 3.0) -> tuple[int, dict[str, Any]]:
