@@ -1,24 +1,18 @@
-"""The move archive's throughput against raw AES-256-GCM over the same bytes, in the same run (spec §8).
+"""The move archive's throughput against the ceiling of the work spec §8 requires, in the same run.
 
 The data is 64 MiB of mixed files written once under a temp directory: large incompressible files
 (media), semi-compressible text, structured JSON lines, and a thousand small files. The archive side
 runs the full pipeline of :func:`services.box.artifacts.archive.build_archive` (scan, sorted tar with per-file
 and plaintext sha256, zstd, 1 MiB AES-256-GCM chunks, sealed sha256) into a sink that discards the
-bytes. The raw side encrypts the same file contents, already in memory, with AES-256-GCM in 1 MiB
-chunks and nothing else. Both rates are file bytes per second, best of several interleaved rounds.
-The last line is ``RESULT archive ratio=<archive/raw> target=0.25``; below the target it exits 1.
+bytes. Rates are file bytes per second, best of several interleaved rounds.
 
-Context lines give the ceilings measured in the same run, as ratios to raw AES: one SHA-256 pass,
-zstd at the archive's level, and the work §8 requires (two SHA-256 passes over the plaintext, the
-per-file and ``plain`` digests; zstd; AES-GCM and a SHA-256 pass over the sealed bytes) spread
-perfectly over every core this process may use, with no reading and no tar at all.
-
-**The target is out of reach, and the bench says so by failing.** On the 2-core AMD EPYC this was
-measured on (2026-11-30; SHA-NI, AES-NI), raw AES-GCM runs at ~9.7 GiB/s, one SHA-256 pass at ~0.20 of
-it and zstd level 1 at ~0.075 of it per core, so the work §8 requires caps the ratio at ~0.075 on 2
-cores before a byte is read. The archive measures 0.049 to 0.055 (0.048 before its three-stage pipeline
-and direct tar headers; 12% less wall time per build, 5% less CPU). Reaching 0.25 would take dropping
-a digest or the compression §8 requires, or more than three times the cores.
+**The baseline is the required work, not raw AES-GCM** (issue 19 item 8, a decision of the round): the ceiling
+is the work §8 requires (two SHA-256 passes over the plaintext, the per-file and ``plain`` digests; zstd; AES-GCM
+and a SHA-256 pass over the sealed bytes) measured in the same run and spread perfectly over every core this
+process may use, with no reading and no tar at all. Against raw AES-GCM no implementation can pass on two cores:
+raw AES-GCM runs at ~9.7 GiB/s, one SHA-256 pass at ~0.20 of it and zstd level 1 at ~0.075 of it per core
+(2-core AMD EPYC, SHA-NI, AES-NI, 2026-11-30), so the required work caps that ratio near 0.075; it is printed as
+context. The last line is ``RESULT archive ratio=<archive/ceiling> target=0.85``; below the target it exits 1.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ from bench.common import result
 from services.box.artifacts.archive import DEFAULT_LEVEL, build_archive
 from services.box.artifacts.sealing import chunk_aad, chunk_nonce, generate_private_key
 
-TARGET = 0.25
+TARGET = 0.85
 MIB = 1 << 20
 ROUNDS = 5
 WORDS = [
@@ -184,7 +178,8 @@ def main() -> int:
         f"ceiling of the work §8 requires (per-file, plain and sealed SHA-256, zstd, AES-GCM) on {cores} cores, "
         f"perfectly parallel, no reading and no tar: {ceiling:.3f}"
     )
-    ratio = arch / raw
+    print(f"for comparison (not the RESULT): archive / raw AES-256-GCM = {arch / raw:.3f}")
+    ratio = arch / raw / ceiling
     print(result("archive", ratio, TARGET))
     return 0 if ratio >= TARGET else 1
 
