@@ -311,7 +311,7 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label}), left_bucket=region_bucket(left.region),
         left_local=[] if fenced_disk else [instance_dir(left.box_dir / "data", host) / f"{host}.db",
                                            instance_dir(left.box_dir / "data", host) / host],
-        once_after_ms=ONCE_AFTER_MS)
+        once_after_ms=ONCE_AFTER_MS, agent_logs=sorted((root / "logs").glob("box-*.log")))
     if scenario != "move" and ended == "rolled_back":
         shown += await _history_checks(rt, host, move_id, scenario if scenario in (*LOST, "dirty-rollback")
                                        else "clean-rollback", ie, uk)
@@ -442,7 +442,8 @@ async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, envir
         target_db=instance_dir(box.box_dir / "data", host) / f"{host}.db",
         ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label, f"{ie.region}-r": label}),
         left_bucket=region_bucket(uk.region), left_local=[instance_dir(uk.box_dir / "data", host) / f"{host}.db"],
-        once_after_ms=ONCE_AFTER_MS, runner_deaths=1)  # the fence killed the source's agent mid-run
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=1,  # the fence killed the source's agent mid-run
+        agent_logs=sorted((root / "logs").glob("box-*.log")))
     converted = ""
     async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):
         t = decode(m.data, Transition)

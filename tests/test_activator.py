@@ -25,13 +25,14 @@ from events.claim import LostBox, Op
 from hostmove.probe_apps import post_write
 from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
-from moveprobe.acks import RowAck, read_acks
+from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
 from services.box.artifacts.markers import read_files_gen
 from services.box.instance.activator import (
     Activator,
     AppSpec,
     BoxContext,
+    Certificate,
     Started,
     StartFailed,
     StartPolicy,
@@ -335,6 +336,60 @@ async def test_a_store_outage_during_a_start_is_not_a_failed_start(world: World,
     ctx.data_store = world.store
     started = await world.activator(ctx).wake(host)
     assert isinstance(started, Started), started
+
+
+class _FirstMarkerTimesOut(_PutsTimeOut):
+    """The first ``generation.json`` PUT of a start, after the app acknowledged some of its own rows, times out: a
+    start attempt that fails after readiness (counted, retried under the same admission)."""
+
+    def __init__(self, inner: S3Store, acks: Path, host: str) -> None:
+        super().__init__(inner)
+        self.acks, self.host, self.failed = acks, host, False
+
+    async def put(self, bucket: str, key: str, body: bytes, **kw: object) -> object:
+        if not self.failed and key.endswith("generation.json"):
+            self.failed = True
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(read_acks(self.acks, host=self.host)) < 3:  # the app runs and acknowledges meanwhile
+                assert asyncio.get_running_loop().time() < deadline, "the app acknowledged nothing while it ran"
+                await asyncio.sleep(0.05)
+            raise TimeoutError(f"put {bucket}/{key}: no answer")
+        return await self.inner.put(bucket, key, body, **kw)
+
+
+async def test_a_retried_start_keeps_what_the_failed_attempt_committed(
+    world: World, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """A start attempt that fails after its app was ready (its marker's PUT timed out) is retried under the same
+    admission on the database that app wrote: every row it acknowledged is kept and shipped, nothing is declared.
+    Purging it for a fresh restore dropped those rows undeclared, and a new host's next attempts were refused by the
+    app for good (its ``instance.key`` with no record in the database). Then it is stopped and woken again."""
+    ctx = world.box("ie-r")
+    host = await setup_host(world, unique, ctx)
+    acks = world.acks / f"{host}.jsonl"
+
+    def env(host: str, data_dir: Path, port: int, region: str) -> dict[str, str]:
+        return probe_env(data_dir=data_dir, host=host, region=region, ack_log=acks, port=port, interval_s=0.1)
+
+    app = AppSpec(argv=[sys.executable, "-m", "moveprobe"], env=env, ready_within_s=15)
+    ctx.data_store = _FirstMarkerTimesOut(world.store, acks, host)  # type: ignore[assignment]
+    act = world.activator(ctx, app, StartPolicy(first_backoff_s=0.01))
+    started = await act.wake(host)
+    assert isinstance(started, Started), started
+    assert ctx.data_store.failed, "the first attempt's marker PUT was the one that failed"
+    assert isinstance(await act.stop(host), Certificate), "the session closed clean: nothing to declare"
+    claim = (await world.ledger.read_claim(host)).state
+    assert claim is not None and claim.holder is not None
+    scratch = tmp_path / "restored.db"
+    await restore_generation(world.store, world.bucket, claim.holder.location, started.generation, scratch)
+    acknowledged = read_acks(acks, host=host)
+    assert len(acknowledged) >= 3
+    assert missing_from_db(scratch, acknowledged) == [], "every row the failed attempt's app acknowledged is kept"
+    again = await act.wake(host)  # and the host starts again from what it shipped
+    assert isinstance(again, Started), again
+    latest = (await world.ledger.read_claim(host)).state
+    assert latest is not None and latest.holder is not None and latest.holder.admissions[-1].writes_lost is None
+    await act.stop(host)
 
 
 async def test_the_start_check_refuses_files_of_another_incarnation(world: World, unique: Callable[[str], str]) -> None:

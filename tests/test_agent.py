@@ -21,7 +21,7 @@ import pytest_asyncio
 from bus.nats_log import NatsEventLog
 from events.ids import new_incarnation
 from hostmove.probe_apps import post_write
-from hostmove.rehearsal import ack_logs, checks, timers_once
+from hostmove.rehearsal import ack_logs, checks, timers_once, unanswered_deliveries
 from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
@@ -100,6 +100,23 @@ async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 150.0
         raise AssertionError(f"not moved; record {record}\n{logs}") from None
 
 
+def where_acks_are(w: AgentWorld, host: str) -> str:
+    """On a failure: which of the boxes' databases of ``host`` (live, parked, superseded) hold each acknowledgement
+    uk's database misses, so a loss says whether it happened on the source's disk or on the way."""
+    logs = ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]})
+    acks = [a for log, _ in logs for a in read_acks(log, host=host)]
+    target = instance_dir(w.box_dir("uk") / "data", host) / f"{host}.db"
+    missing = missing_from_db(target, acks)
+    if not missing:
+        return ""
+    lines = [f"\n{len(missing)} acknowledgement(s) missing on uk; the databases of {host} on the boxes:"]
+    for region in ("ie", "uk"):
+        for db in sorted(w.box_dir(region).rglob(f"{host}.db")):
+            lacks = missing_from_db(db, missing)
+            lines.append(f"  {db.relative_to(w.root)}: holds {len(missing) - len(lacks)} of them")
+    return "\n".join(lines)
+
+
 async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_deaths: int = 0) -> None:
     """The checks of §14.4 after the move, on the real boxes: the key verifies, every timer ran exactly once
     around the cut, every acknowledged write and background row (either box's) is in uk's database, and nothing
@@ -113,8 +130,9 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_dea
         ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], {"uk": w.labels["uk"]}), left_bucket=f"{w.prefix}-ie",
         left_local=[instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db",
                     instance_dir(w.box_dir("ie") / "data", host) / host],
-        once_after_ms=ONCE_AFTER_MS, runner_deaths=runner_deaths)
-    assert all(c.ok for c in shown), "\n".join(c.line() for c in shown)
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=runner_deaths,
+        agent_logs=[a.log for a in w.agents.values()])
+    assert all(c.ok for c in shown), "\n".join(c.line() for c in shown) + where_acks_are(w, host)
     assert read_endpoint(w.box_dir("ie"), host) is None
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
@@ -256,6 +274,23 @@ async def test_a_runner_killed_after_a_delivery_repeats_it_once(stack: StackInfo
         assert not strict.ok and "repeated" in strict.detail, strict.line()
         allowed = timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None, repeats_allowed=1)
         assert allowed.ok, allowed.line()
+        slot = (str(repeat["name"]), int(str(repeat["due_at_ms"])))
+        explained = timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None, unanswered=frozenset({slot}))
+        assert explained.ok, explained.line()
+        other = frozenset({(slot[0], slot[1] + 1)})
+        assert not timers_once(port, cut_at_ms=None, now_ms=now, once_due_ms=None, unanswered=other).ok
+
+
+def test_unanswered_deliveries_are_read_from_the_runner_log(tmp_path: Path) -> None:
+    """The runner's own log names each delivery it saw no answer to (its outcome unknown): only those, of the host."""
+    log = tmp_path / "agent.log"
+    line = {"logger": "hostmove.box.timers", "message": "timer periodic of a.example: delivery failed (no answer)",
+            "host": "a.example", "phase": "timer", "reason": "no answer", "timer": "periodic", "due_at": 1200}
+    log.write_text("\n".join([json.dumps(line), json.dumps({**line, "host": "b.example", "due_at": 7}),
+                              json.dumps({**line, "reason": "HTTP 503", "due_at": 9}), "not json {\"no answer\"",
+                              json.dumps({**line, "due_at": 1600})]) + "\n")
+    got = unanswered_deliveries([log, tmp_path / "missing.log"], "a.example")
+    assert got == frozenset({("periodic", 1200), ("periodic", 1600)})
 
 
 @pytest.mark.asyncio(loop_scope="session")

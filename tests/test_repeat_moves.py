@@ -139,7 +139,7 @@ async def served_after_move(w: AgentWorld, host: str, frm: str, to: str, visited
         ack_logs=ack_logs(w.root / "acks", host, w.labels["ie"], later), left_bucket=f"{w.prefix}-{frm}",
         left_local=[instance_dir(w.box_dir(frm) / "data", host) / f"{host}.db",
                     instance_dir(w.box_dir(frm) / "data", host) / host],
-        once_after_ms=ONCE_AFTER_MS)
+        once_after_ms=ONCE_AFTER_MS, agent_logs=[a.log for a in w.agents.values()])
     assert all(c.ok for c in shown), f"{frm} -> {to}:\n" + "\n".join(c.line() for c in shown)
     assert read_endpoint(w.box_dir(frm), host) is None, f"{frm} still names an instance of {host}"
 

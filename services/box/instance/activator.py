@@ -104,7 +104,7 @@ from services.box.instance.stamps import StampBook, installation_artifacts
 from services.box.replica.install import read_install
 from services.box.replica.layout import GenerationScope, generation_holds_objects, list_generation, parse_ltx_name
 from services.box.replica.planner import replication_position
-from services.box.replica.replicator import ReplicaOptions, Replicator
+from services.box.replica.replicator import ReplicaOptions, Replicator, SyncResult
 from services.box.replica.restore import RestoreRefused, restore_generation
 from services.box.replica.uploads import Uploads, uploads_path
 from services.ledger.ledger import BadObject, Committed, Ledger, Refusal
@@ -652,9 +652,10 @@ class Activator:
         host = g.host
         last_error = ""
         starts = policy or self.policy
+        restored = _Restored()
         for attempt in range(1, starts.attempts + 1):
             try:
-                started = await self._start_once(claim, baseline, publish_files=publish_files,
+                started = await self._start_once(claim, baseline, restored, publish_files=publish_files,
                                                  ready_within_s=starts.ready_within_s)
                 files_dir = self.ctx.files_dir(host)
                 if files_dir.exists():  # the carried files now belong to this installation (retag)
@@ -678,20 +679,34 @@ class Activator:
             marked = self.ctx.registry.set_status(host, "failed")
         return StartFailed(host, last_error, starts.attempts, marked)
 
-    async def _start_once(self, claim: Claim, baseline: str | None, *, publish_files: bool = True,
-                          ready_within_s: float | None = None) -> Started:
+    async def _start_once(self, claim: Claim, baseline: str | None, restored: _Restored, *,
+                          publish_files: bool = True, ready_within_s: float | None = None) -> Started:
+        """One start attempt of the admitted session. The first attempt purges the local database and restores the
+        baseline; a later attempt of the same admission keeps the database an earlier one restored and ran the app
+        on (``restored``), since what that app committed, its background rows and timer runs included, is this
+        session's (§5.3 step 5: nothing acknowledged stays only on this disk or is dropped). Purging it lost those
+        commits without a declaration, and a new host's second attempt found its ``instance.key`` with no record."""
         holder = claim.holder
         assert holder is not None
         host, ctx = claim.host, self.ctx
         db = ctx.db_path(host)
         ctx.instance_dir(host).mkdir(parents=True, exist_ok=True)
         await self._files_step(claim, baseline)
-        purge_local_db(db)
-        restored_txid = 0
-        if baseline is not None:
-            result = await restore_generation(ctx.data_store, ctx.data_bucket, holder.location, baseline, db)
-            restored_txid = result.txid
-        write_local_gen(db, holder.generation)
+        options: ReplicaOptions | None = None
+        if restored.kept(db, holder.generation):
+            restored_txid = restored.txid or 0
+            # the earlier attempt's uploads may still land: the first full file covers their ranges (flush_orphan)
+            in_flight = Uploads.open(db, holder.generation).level0_ranges()
+            cover = (min(r[0] for r in in_flight), max(r[1] for r in in_flight)) if in_flight else None
+            options = ReplicaOptions(flush_first=True, cover=cover)
+        else:
+            purge_local_db(db)
+            restored_txid = 0
+            if baseline is not None:
+                result = await restore_generation(ctx.data_store, ctx.data_bucket, holder.location, baseline, db)
+                restored_txid = result.txid
+            write_local_gen(db, holder.generation)
+            restored.txid = restored_txid
         await self._start_check(claim)
         port = free_port()
         logs = ctx.box_dir / "logs"
@@ -710,9 +725,11 @@ class Activator:
         if publish_files:
             await self._publish_files(claim)
         replicator = await Replicator.open(ctx.data_store, ctx.data_bucket, holder.location, holder.generation, db,
-                                           ctx.clock)
+                                           ctx.clock, options=options)
         try:
-            await replicator.sync()
+            first = await replicator.sync()
+            if options is not None:
+                await self._supersede_covered(replicator, first, options.cover)
             current = await read_generation_marker(ctx.data_store, ctx.data_bucket, holder.location)
             marker = GenerationMarker(op=holder.generation, incarnation=holder.incarnation, host=host,
                                       box=ctx.label, installed_at=ctx.clock.now_ms(),
@@ -926,11 +943,7 @@ class Activator:
             flushed = not rep.pending
         finally:
             await rep.close()
-        if cover is not None and first is not None and first.full:
-            parsed = parse_ltx_name("/".join(first.key.split("/")[-2:]))
-            if parsed is not None:
-                await rep.uploads.supersede(self.ctx.data_store, self.ctx.data_bucket, first.key, first.version_id,
-                                            parsed[1], parsed[2])
+        await self._supersede_covered(rep, first, cover)
         unshipped.unlink(missing_ok=True)
         log.info("final checkpoint of %s after a restart: generation %s at TXID %d", host, holder.generation,
                  rep.position)
@@ -944,6 +957,16 @@ class Activator:
             else:
                 await self._certify(holder.location, holder.generation, session, rep.position)
         return rep.position
+
+    async def _supersede_covered(self, rep: Replicator, first: SyncResult | None, cover: tuple[int, int] | None
+                                 ) -> None:
+        """A first full file that covers a dead attempt's in-flight ranges settles them (their late landing is
+        passed over by the restore), so they no longer keep the session uncertain."""
+        if cover is not None and first is not None and first.full:
+            parsed = parse_ltx_name("/".join(first.key.split("/")[-2:]))
+            if parsed is not None:
+                await rep.uploads.supersede(self.ctx.data_store, self.ctx.data_bucket, first.key, first.version_id,
+                                            parsed[1], parsed[2])
 
     async def adopt_running(self) -> list[str]:
         """A new owner process is a new session (§5.1 step 9): stop every app found running, then capture what
@@ -967,6 +990,18 @@ class Activator:
         for host in list(self.running):
             with contextlib.suppress(Exception):
                 await self.stop(host)
+
+
+@dataclass
+class _Restored:
+    """What the first start attempt of an admission restored (:meth:`Activator._start_once`): ``txid`` is None until
+    its database is restored and tagged with the admission's generation."""
+
+    txid: int | None = None
+
+    def kept(self, db: Path, generation: str) -> bool:
+        """An earlier attempt of this admission restored ``db`` and it is still that generation's."""
+        return self.txid is not None and db.exists() and read_local_gen(db) == generation
 
 
 class StartError(Exception):

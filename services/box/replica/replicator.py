@@ -695,7 +695,8 @@ class Replicator:
         ``mxFrame`` (or ``pinned``'s, the position a pinned read stands at)."""
         shm = pinned if pinned is not None else self._shm()
         if self._need_full:
-            if self._pos > 0 and not self.options.flush_first and not self._changed_since_open(shm):
+            first_flush = self.options.flush_first and self.stats.full_syncs == 0  # only this replicator's first
+            if self._pos > 0 and not first_flush and not self._changed_since_open(shm):
                 return None  # an anchored or continued generation with nothing new: no upload yet
             image = self._consistent_image(with_delta=False)[1]
             return self._full_pending(image)
