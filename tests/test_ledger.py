@@ -384,3 +384,57 @@ async def test_property_crashes_and_lost_acks_leave_contiguous_histories(
     for host in hosts:
         check = await run_audit(env.events.inner, env.ledger(), host=host, protocol=False)
         assert check.clean(strict=True), [f.line() for f in check.findings]
+
+
+class CountingStore:
+    """The env's store, counting GETs of each key (everything else passes through)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner, self.gets = inner, 0
+
+    async def get(self, bucket: str, key: str, **kw: object) -> object:
+        self.gets += 1
+        return await self.inner.get(bucket, key, **kw)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_a_writer_cases_on_what_it_wrote_and_reads_fresh_whenever_that_is_not_proven(
+    env: Env, unique: Callable[[str], str]
+) -> None:
+    """Issue 19 item 8: after its own commit a writer's next transition of the object is one CAS on the ETag it
+    wrote, with no GET; when another writer moved the object on, that CAS loses and the transition reads fresh and
+    decides on the current state; a NoChange is never answered from what it wrote."""
+    host = host_name(unique, "written")
+    counting = CountingStore(env.store)
+    mine = Ledger(counting, env.events, env.clock, Actor(service="test", pid=1, nonce="mine"),  # type: ignore[arg-type]
+                  env.bucket)
+    other = env.ledger()
+    assert isinstance(await mine.transition("claim", host, "first", set_phase("a")), Committed)
+    before = counting.gets
+    second = await mine.transition("claim", host, "second", set_phase("b"))
+    assert isinstance(second, Committed) and second.state.gen == 2
+    assert counting.gets == before, "the second transition of its own object read nothing"
+    assert isinstance(await other.transition("claim", host, "theirs", set_phase("c")), Committed)
+    seen: list[str] = []
+
+    def after_theirs(cur: Claim | None) -> Claim:
+        assert cur is not None
+        seen.append(cur.op.phase)
+        return msgspec.structs.replace(cur, op=Op(kind="serving", phase=cur.op.phase + "+d", exec="box-a"))
+
+    third = await mine.transition("claim", host, "third", after_theirs)
+    assert isinstance(third, Committed) and third.state.op.phase == "c+d" and third.state.gen == 4, third
+    assert seen == ["b", "c"], "decided once on what it wrote (its CAS lost), then on the fresh state"
+    assert isinstance(await other.transition("claim", host, "theirs-again", set_phase("e")), Committed)
+
+    def unchanged_if_d(cur: Claim | None) -> Claim | NoChange:
+        assert cur is not None
+        return NoChange("already") if cur.op.phase == "c+d" else msgspec.structs.replace(
+            cur, op=Op(kind="serving", phase="f", exec="box-a"))
+
+    fourth = await mine.transition("claim", host, "fourth", unchanged_if_d)
+    assert isinstance(fourth, Committed) and fourth.state.op.phase == "f", "decided on the fresh state, not its own"
+    assert [t.claim.op.phase for t in await history(env, "claim", host) if t.claim is not None] == \
+        ["a", "b", "c", "c+d", "e", "f"]
