@@ -161,6 +161,10 @@ COPY: dict[str, Copy] = _table(
      "{box} is declared lost. {host} goes back to {from_region} and serves there once its recovery opens; the writes "
      "declared lost are in its admission's writes_lost."),
     ("M-S12", "door", "{box} also released {host} with writes it never returned; they are lost with it."),
+    ("M-S13", "door",
+     "{box}, the target of move {move_id} of {host}, was fenced (gone for good) after the move committed. The move "
+     "closes without it, and {host} is relocated to a live box of {region}; anything {host} wrote on {box} after its "
+     "last upload is declared lost."),
     # -- apps and their releases (issue 18) ----------------------------------------------------------
     ("M-R43", "door", "There is no app named {app}, so {host} was not created. Publish it with hostmove app publish."),
     ("M-R44", "door", "{app} has no release {release} (its newest is {newest}). Nothing was changed."),

@@ -118,6 +118,9 @@ class Move(Durable, frozen=True):
     stuck_at: Millis | None = None
     retried_at: Millis | None = None
     """The operator's last ``resolve --retry`` of this move (§7.10)."""
+    target_fenced: str = ""
+    """The fence key (``control/box-fences/<target>.json``) of a target fenced after the record's commit (§7.10
+    L14): its open is waived and the move closes without it (:mod:`services.move.fenced_target`)."""
 
 
 class LastMove(Durable, frozen=True):

@@ -146,7 +146,8 @@ def stage_of(record: Record | None, claim: Claim | None, move_id: str) -> tuple[
     if move.state == "landing":
         return "landing", ""
     if move.state == "committed":
-        return ("finalizing", "") if move.opened_at is not None else ("opening", "")
+        # a target fenced after the commit never opens: the source parks and the move closes without it (§7.10)
+        return ("finalizing", "") if move.opened_at is not None or move.target_fenced else ("opening", "")
     if move.state == "aborted":  # §7.11: the parks, then the close and the release to the source
         return "aborting", move.reason
     if move.state == "reverting":  # §7.4: the source recovers the host, the target parks its lane

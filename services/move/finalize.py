@@ -46,6 +46,7 @@ from services.box.instance.sandbox import InstanceUsers, instance_dir
 from services.box.instance.stamps import ParkedArtifact, StampBook
 from services.box.instance.timers import Timers
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
+from services.move.fenced_target import open_waived
 from services.move.follow import claim_half, snapshot_prefix
 from services.move.guards import live_move, step_allowed
 from services.move.lease import LeaseTiming, StagingStopped, StagingWork
@@ -146,8 +147,8 @@ def decide_close(record: Record | None, claim: Claim | None, *, move_id: str, no
         left = sorted(o.kind for o in claim.obligations if o.op == move_id)
         if left:
             return NoChange(f"waiting for {', '.join(left)} to be acknowledged")
-        if ending[2] == "done" and move.opened_at is None:
-            return NoChange("waiting for the target to open")
+        if ending[2] == "done" and move.opened_at is None and not open_waived(record, claim):
+            return NoChange("waiting for the target to open")  # unless fenced after the commit (§7.10)
         if move.state == "reverting" and claim.op.journal.get("rev_phase") != "opened":
             return NoChange("waiting for the source's recovery to open")
         rb = move.rollback

@@ -34,9 +34,10 @@ from urllib.parse import unquote
 
 import msgspec
 
-from bus.facts import Fact, publish_alert
+from bus.facts import Fact, publish_alert, publish_fact
 from bus.log import EventLog, LogError, LogUnavailable
 from events.claim import Claim
+from events.copy import say
 from events.durable import DurableValueError
 from events.record import Record
 from kernel.logctx import ctx
@@ -44,6 +45,8 @@ from services.box.fence import BoxFence, FenceRef, read_fence, verify_ref
 from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
+from services.move.fenced_target import decide_fenced_target_claim, decide_fenced_target_record
+from services.move.finalize import decide_close, terminal_payload
 from services.move.follow import MOVE_KINDS, claim_half
 from services.move.incidents import incidents_owed, raise_owed
 from services.move.lost import (
@@ -170,6 +173,7 @@ class RecoveryPass:
             out = await self.ledger.transition("claim", host, "follow-record", follow, causation="recovery")
             if isinstance(out, Committed):
                 report.claim_halves.append(f"{host}: {out.state.op.kind}/{out.state.op.phase}")
+                claim = out.state
             elif isinstance(out, Refusal):
                 report.errors.append(f"{host}: {out.reason}")
         now = self.ledger.clock.now_ms()
@@ -305,9 +309,15 @@ class RecoveryPass:
         target = claim.op.participants[1]
         fenced = await self._fence(target)
         record = (await self.ledger.read_record(host)).state
+        if fenced is not None and record is not None and record.move is None and record.last_move is not None \
+                and record.last_move.id == claim.op.id and record.last_move.outcome == "done":
+            return True  # closed without its fenced target: the release is the claim half's, then the relocation
         if fenced is None or record is None or record.move is None or record.move.id != claim.op.id:
             return False
         fence, ref = fenced
+        if record.move.state == "committed":
+            await self._fenced_committed(host, claim, record, fenced, report)
+            return True
         try:
             kind = declaration_kind(record, claim, target, "terminated")
         except NotLegal:
@@ -357,6 +367,59 @@ class RecoveryPass:
         elif isinstance(half, Refusal):
             report.errors.append(f"{host}: {half.reason}")
         return True
+
+    async def _fenced_committed(self, host: str, claim: Claim, record: Record,
+                                fenced: tuple[BoxFence, FenceRef], report: PassReport) -> None:
+        """§7.10 L14 after the record's commit (:mod:`services.move.fenced_target`): the move records its target's
+        fence (record first), the claim cites it and drops the target's chores, and the close runs once the source
+        parked (``last_move = done``, the open waived); the release to ``serving`` and the relocation follow in
+        the next pass. Every step re-verifies the fence reference against the roster first."""
+        fence, ref = fenced
+        target = ref.label
+        entry = self._roster.box(target) if self._roster is not None else None
+        why = verify_ref(ref.journal(), fenced, entry)
+        if why is not None:
+            report.errors.append(f"{host}: the fenced target is not acted on: {why}")
+            return
+        now = self.ledger.clock.now_ms()
+        out = await self.ledger.transition("record", host, "move-target-fenced", lambda cur: (
+            decide_fenced_target_record(cur, claim, ref, now)), causation="recovery")
+        if isinstance(out, Refusal):
+            report.errors.append(f"{host}: {out.reason}")
+            return
+        decided = (await self.ledger.read_record(host)).state
+        half = await self.ledger.transition("claim", host, "move-target-fenced", lambda cur: (
+            decide_fenced_target_claim(cur, decided, ref, now)), causation="recovery")
+        if isinstance(half, Refusal):
+            report.errors.append(f"{host}: {half.reason}")
+            return
+        if isinstance(half, Committed):
+            report.claim_halves.append(f"{host}: closing without its target {target}, which is fenced")
+        move_id = claim.op.id
+        await self._alert_once(host, move_id, "fenced-target-after-commit", {
+            "box": target, "fence": ref.key, "move": move_id,
+            "text": say("M-S13", box=target, move_id=move_id, host=host, region=fence.region)}, report)
+        current = (await self.ledger.read_claim(host)).state
+
+        def close(cur: Record | None) -> Record | NoChange | Refusal:
+            return decide_close(cur, current, move_id=move_id, now_ms=self.ledger.clock.now_ms())
+
+        closed = await self.ledger.transition("record", host, "move-done", close, causation="recovery")
+        if isinstance(closed, Committed):
+            report.records_finished.append(f"{host}: move {move_id} done without its fenced target")
+            last = closed.state
+            closing = decided.move if decided is not None and decided.move is not None else None
+            await publish_fact(self.events, Fact(  # the terminal log event the finalizer's close writes (§13)
+                kind="move-done", subject=host, id=f"{move_id}:done", actor=self.ledger.actor,
+                at=self.ledger.clock.now_ms(), payload={
+                    "move": move_id, "outcome": "done", **(terminal_payload(closing) if closing else {})}))
+
+            def release(cur: Claim | None) -> Claim | NoChange | Refusal:
+                return claim_half(cur, last)
+
+            rel = await self.ledger.transition("claim", host, "release", release, causation="recovery")
+            if isinstance(rel, Refusal):
+                report.errors.append(f"{host}: {rel.reason}")
 
     async def _finish_door_record(self, host: str, claim: Claim, report: PassReport) -> None:
         from services.door.decide import decide_move_record
