@@ -52,6 +52,7 @@ from services.move.lost import (
     decide_declared_claim,
     decide_declared_record,
     declaration_kind,
+    live_region_box,
 )
 from services.move.rollback import decide_deadline_rollback
 from services.objstore.port import StoreError, StoreUnavailable
@@ -343,7 +344,9 @@ class RecoveryPass:
             if cur is not None and cur.op.journal.get(f"fence.{target}") == cited:
                 return NoChange("the fence is already on the claim")
             try:
-                half = decide_declared_claim(cur, record, decl, cited, source_region=decl_region(record))
+                half = decide_declared_claim(cur, record, decl, cited, source_region=decl_region(record),
+                                             region_box=live_region_box(self._roster, fence.region, cur, target)
+                                             if self._roster is not None else "")
             except NotLegal as exc:
                 return Refusal(exc.copy)
             return msgspec.structs.replace(half, op=msgspec.structs.replace(
