@@ -56,7 +56,9 @@ from services.hosts.create import create_host
 from services.ledger import Committed
 from services.ledger.ledger import object_key
 from services.move.follow import host_segment
+from services.move.park import FAST
 from services.objstore.s3 import S3Store
+from services.recovery.recovery import FAST_HISTORY_EVERY_MS, RecoveryPass
 from tests.helpers.agents import AgentWorld, agent_world, answers_ready, eventually
 
 TARGET = 3  # bytes over the database size
@@ -214,6 +216,8 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
           f"({base_bytes / db_size:.2f}x), claim {base_claim} bytes ({base_records} admission records); "
           f"deployment bucket: {await ledger_versions(w, host)}")
     every = max(1, wakes // max(moves, 1)) if moves else wakes + 1
+    # the deployment's console (hostmove serve recovery), which bounds the claim's and record's history
+    console = RecoveryPass(w.ledger, w.events, park_timing=FAST, history_every_ms=FAST_HISTORY_EVERY_MS)
     peak, moved, order = base_bytes, 0, itertools.cycle(REGIONS[1:] + REGIONS[:1])
     t0 = time.monotonic()
     for i in range(1, wakes + 1):
@@ -228,6 +232,7 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
         port = await served(w, here, host, newer_than=before)
         await asyncio.to_thread(post_write, port, f"wake {i}")
         await asleep(w, here, host)
+        await console.run_once()
         if i % 10 == 0 or i == wakes:
             total, _ = await host_bytes(w, host)
             peak = max(peak, total)
@@ -236,6 +241,7 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
                   f"{records} records, {await ledger_versions(w, host)}, {time.monotonic() - t0:.0f} s", flush=True)
     await settled(w, host)
     await asyncio.sleep(12)  # one retention period of the fast profile (5 s) and a sweep after it
+    await console.run_once()
     end_bytes, areas = await host_bytes(w, host)
     end_claim, end_records = await claim_size(w, host)
     logs = sorted(p for p in (w.root / "acks").glob(f"{host}*.jsonl") if not p.name.endswith(".worker.jsonl"))

@@ -5,7 +5,8 @@ The claim and the record are rewritten by CAS in a versioned bucket, so every tr
 publication, each step of a move) leaves the version it replaced behind as a noncurrent version, for ever. Nothing
 reads one: the ledger's relay and rebase read the **current** object and the stream (``Ledger.ensure_published``),
 the audit folds the JetStream history and compares it with the current objects (:mod:`services.ledger.audit`), and
-a CAS conditions on the current ETag. So the serving box, on its at-rest sweep's cadence, deletes a noncurrent
+a CAS conditions on the current ETag. So the console's recovery pass (ruling M17: no box deletes in the deployment
+bucket), at most once a minute per host, deletes a noncurrent
 version of ``control/hosts/<host>.json`` and ``control/records/<host>.json`` by its exact ``VersionId`` when it is
 older than ``H`` and beyond the newest :data:`KEEP_NONCURRENT` noncurrent ones (an operator's recent history, by
 hand). Never the current version, never a delete marker (a claim or record is never deleted, C5a: there are none),

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import msgspec
 
 from events.claim import Claim, Obligation
-from kernel import rules
 from kernel.logctx import ctx
 from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.lost import LOST_OP_PREFIX, REGION_OWNER
@@ -79,8 +78,6 @@ class LostRegionParks:
     parker: Parker
 
     async def run(self, host: str, claim: Claim | None) -> RegionParksReport:
-        if not rules.on("lost-region-park"):
-            return RegionParksReport()
         did: list[str] = []
         wakes: list[int] = []
         for ob in region_parks(claim, self.region, self.box):

@@ -54,7 +54,6 @@ from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import host_segment
 from services.move.park import Acknowledged, Parker
 from services.sweeper.generations import GenerationParks
-from services.sweeper.history import LedgerHistory
 from services.sweeper.lostparks import LostRegionParks
 from services.sweeper.retention import RetentionSweep
 
@@ -319,8 +318,6 @@ class StragglerSweep:
     """The ``park-generation`` chores this box owns (:mod:`services.sweeper.generations`)."""
     retention: RetentionSweep = field(init=False)
     """The retention of ``superseded/`` and ``move-snapshots/`` in this box's bucket."""
-    history: LedgerHistory = field(init=False)
-    """The noncurrent claim and record versions of the hosts this box serves (:mod:`services.sweeper.history`)."""
     lost_parks: LostRegionParks = field(init=False)
     """The lost targets' parks of this box's region it adopts and runs (:mod:`services.sweeper.lostparks`)."""
     every_ms: int = 10_000
@@ -330,8 +327,6 @@ class StragglerSweep:
     def __post_init__(self) -> None:
         self.generations = GenerationParks(self.box, self.region, self.ledger, self.parker, self.events)
         self.lost_parks = LostRegionParks(self.box, self.region, self.ledger, self.parker)
-        self.history = LedgerHistory(self.ledger.store, self.ledger.bucket, self.clock,
-                                     self.parker.timing.horizon_ms(Scope(location="control")))
         self.retention = RetentionSweep(self.box, self.region, self.parker.store, self.parker.bucket, self.clock,
                                         events=self.events, actor=self.ledger.actor)
         if self.retention_ms is not None:
@@ -412,21 +407,12 @@ class StragglerSweep:
         if self._serving_next.get(host, 0) > now or claim is None or claim.holder is None:
             return SweepReport()
         self._serving_next[host] = now + self.every_ms
-        if claim.op.kind != "serving" or claim.op.exec != self.box:
-            return SweepReport()
-        trimmed = await self.history.look(host)  # the claim's and record's noncurrent versions, beyond H
-        report = await self._serving_region(host, claim)
-        return SweepReport("; ".join(d for d in (*trimmed, report.did) if d), report.wake_at)
-
-    async def _serving_region(self, host: str, claim: Claim) -> SweepReport:
-        """The serving region's namespace and dead generations (:meth:`serving`)."""
-        if not rules.on("straggler-sweep"):
+        if claim.op.kind != "serving" or claim.op.exec != self.box or not rules.on("straggler-sweep"):
             return SweepReport()
         report = await self.namespace(host, claim)
         if report.did:
             return report
         holder = claim.holder
-        assert holder is not None  # serving() read it
         listed_at = self.clock.now_ms()
         keys = await self.parker.store.list_keys(self.parker.bucket, sweep_location(claim) + "/")
         marker = await read_generation_marker(self.parker.store, self.parker.bucket, holder.location)
