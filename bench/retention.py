@@ -13,7 +13,9 @@ acknowledged and one retention period has passed:
 - **bytes**: every version of every object of the host in every bucket (its location, staging lanes, the parks'
   ``superseded/`` archives, ``move-snapshots/``, the retention manifests under ``retired/``, and in the deployment
   bucket every version of its claim, record, evidence and receipts), over the database's size;
-- **claim**: the claim's size, over its size after the first wake; and the number of admission records.
+- **claim**: the claim's size, over its size after the first wake; and the number of admission records;
+- **the ledger's history**: every version of the host's claim and record in the deployment bucket, how many and
+  their bytes (each CAS leaves one noncurrent version; :mod:`services.sweeper.history` bounds them).
 
 Without generation retirement the bytes grow by the database at every wake and the claim by one record per wake. The
 last line is ``RESULT retention ratio=<end bytes / db> target=3``; it exits 1 above the target or when an
@@ -52,8 +54,11 @@ from services.door.auth import Identity
 from services.door.decide import MoveRequest
 from services.hosts.create import create_host
 from services.ledger import Committed
+from services.ledger.ledger import object_key
 from services.move.follow import host_segment
+from services.move.park import FAST
 from services.objstore.s3 import S3Store
+from services.recovery.recovery import FAST_HISTORY_EVERY_MS, RecoveryPass
 from tests.helpers.agents import AgentWorld, agent_world, answers_ready, eventually
 
 TARGET = 3  # bytes over the database size
@@ -102,6 +107,17 @@ async def host_bytes(w: AgentWorld, host: str) -> tuple[int, dict[str, int]]:
             area = "deploy:" + v.key.split("/", 1)[0]
             by_area[area] = by_area.get(area, 0) + v.size
     return sum(by_area.values()), by_area
+
+
+async def ledger_versions(w: AgentWorld, host: str) -> str:
+    """Every version of the host's claim and record in the deployment bucket: how many, and their bytes (the CAS
+    history a versioned bucket keeps; :mod:`services.sweeper.history` bounds it)."""
+    parts = []
+    for obj in ("claim", "record"):
+        key = object_key(obj, host)  # type: ignore[arg-type]
+        versions = [v for v in await w.store.list_versions(w.deploy, key) if v.key == key]
+        parts.append(f"{obj} {len(versions)} versions {sum(v.size for v in versions) / 1024:.1f} KiB")
+    return ", ".join(parts)
 
 
 async def claim_size(w: AgentWorld, host: str) -> tuple[int, int]:
@@ -197,8 +213,11 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
     base_claim, base_records = await claim_size(w, host)
     base_bytes, _ = await host_bytes(w, host)
     print(f"database {db_size / MIB:.1f} MiB; after the first wake: host bytes {base_bytes / MIB:.1f} MiB "
-          f"({base_bytes / db_size:.2f}x), claim {base_claim} bytes ({base_records} admission records)")
+          f"({base_bytes / db_size:.2f}x), claim {base_claim} bytes ({base_records} admission records); "
+          f"deployment bucket: {await ledger_versions(w, host)}")
     every = max(1, wakes // max(moves, 1)) if moves else wakes + 1
+    # the deployment's console (hostmove serve recovery), which bounds the claim's and record's history
+    console = RecoveryPass(w.ledger, w.events, park_timing=FAST, history_every_ms=FAST_HISTORY_EVERY_MS)
     peak, moved, order = base_bytes, 0, itertools.cycle(REGIONS[1:] + REGIONS[:1])
     t0 = time.monotonic()
     for i in range(1, wakes + 1):
@@ -213,14 +232,16 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
         port = await served(w, here, host, newer_than=before)
         await asyncio.to_thread(post_write, port, f"wake {i}")
         await asleep(w, here, host)
+        await console.run_once()
         if i % 10 == 0 or i == wakes:
             total, _ = await host_bytes(w, host)
             peak = max(peak, total)
             size, records = await claim_size(w, host)
             print(f"  wake {i}: host bytes {total / MIB:.1f} MiB ({total / db_size:.2f}x), claim {size} bytes, "
-                  f"{records} records, {time.monotonic() - t0:.0f} s", flush=True)
+                  f"{records} records, {await ledger_versions(w, host)}, {time.monotonic() - t0:.0f} s", flush=True)
     await settled(w, host)
     await asyncio.sleep(12)  # one retention period of the fast profile (5 s) and a sweep after it
+    await console.run_once()
     end_bytes, areas = await host_bytes(w, host)
     end_claim, end_records = await claim_size(w, host)
     logs = sorted(p for p in (w.root / "acks").glob(f"{host}*.jsonl") if not p.name.endswith(".worker.jsonl"))
@@ -233,6 +254,7 @@ async def _run(w: AgentWorld, wakes: int, moves: int) -> int:
         print(f"  {area:<28} {n / MIB:8.2f} MiB")
     print(f"claim: {end_claim} bytes = {end_claim / base_claim:.2f}x its size after the first wake ({base_claim}); "
           f"{end_records} admission records")
+    print(f"deployment bucket, every version: {await ledger_versions(w, host)}")
     print(f"acknowledged writes: {len(acks)}, missing from the served database: {len(missing)}")
     ratio = end_bytes / db_size
     claim_ratio = end_claim / base_claim

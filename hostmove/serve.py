@@ -184,9 +184,14 @@ RECOVERY_INTERVAL_S = 5.0
 
 
 async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
-    from services.recovery.recovery import RecoveryPass
+    import os
 
-    recovery = RecoveryPass(rt.ledger, rt.events)
+    from services.move.park import FAST, PRODUCTION
+    from services.recovery.recovery import FAST_HISTORY_EVERY_MS, HISTORY_EVERY_MS, RecoveryPass
+
+    fast = os.environ.get("HOSTMOVE_PROFILE", "fast" if rt.settings.local else "production") == "fast"
+    recovery = RecoveryPass(rt.ledger, rt.events, park_timing=FAST if fast else PRODUCTION,  # H of the history
+                            history_every_ms=FAST_HISTORY_EVERY_MS if fast else HISTORY_EVERY_MS)
     log.info("recovery: a recovery pass every %g s", RECOVERY_INTERVAL_S, extra=ctx(phase="recovery"))
     pace = _Pace("recovery", RECOVERY_INTERVAL_S, stop, rt)
     while not stop.is_set():

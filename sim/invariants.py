@@ -16,7 +16,8 @@ change what it checks):
   holder's session is the latest admission's (§4 INV-1, §19.2 K1);
 - ``INV-13``: no writer is admitted while the claim is creating, deleting, parking, purging, placing
   or free (digest D§3.7);
-- ``C5a``: claims and records are never deleted;
+- ``C5a``: claims and records are never deleted (a noncurrent version deleted by its id is history retired, not
+  the object: :mod:`services.sweeper.history`; the current version never is);
 - ``marker-order``: ``generation.json`` never goes back to an older generation (§5.1, model 29); a retirement
   that removes the version judged against ends that history (what lands in a parked location is residue:
   the world with moves checks it under INV-10);
@@ -97,6 +98,7 @@ class Checker:
         self.current: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.stream_last: dict[tuple[str, str], int] = {}
         self.markers: dict[tuple[str, str], tuple[int | None, str, str | None]] = {}  # session, gen, version
+        self.ledger_current: dict[tuple[str, str], str | None] = {}  # a claim's or record's current version id
         self.gen_session: dict[tuple[str, str], int] = {}
         self.procs: list[Proc] = []
 
@@ -136,8 +138,13 @@ class Checker:
     def _ledger_object(self, w: Landed, obj: str, host: str) -> None:
         who = w.request.principal
         if w.op == "delete":
+            current = self.ledger_current.get((w.bucket, w.key))
+            if w.removed_version and w.version_id is not None and current is not None and w.version_id != current:
+                return  # a noncurrent version retired by its id: the object and its current version stand
             self.flag("C5a", f"the {obj} of {host} was deleted by {who} (claims and records are never deleted)")
             return
+        if w.op == "put":
+            self.ledger_current[(w.bucket, w.key)] = w.version_id
         if w.body is None:
             self.flag("durable-boundary", f"the {obj} of {host} was written by {who} without going through the ledger")
             return

@@ -138,8 +138,10 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_dea
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
 
 
-async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str) -> None:
-    """The move closed record first as ``outcome`` and the claim serves on ie again with nothing owed (K8)."""
+async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str, *, lost_region_park: bool = False
+                       ) -> None:
+    """The move closed record first as ``outcome`` and the claim serves on ie again with nothing owed (K8); with
+    ``lost_region_park``, nothing but the lost target's region park (op ``lost:<move>``, §7.14 item 5)."""
 
     async def closed() -> bool:
         record = (await w.ledger.read_record(host)).state
@@ -156,7 +158,9 @@ async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str) -> 
     record = (await w.ledger.read_record(host)).state
     claim = (await w.ledger.read_claim(host)).state
     assert record is not None and record.last_move is not None and record.last_move.outcome == outcome
-    assert claim is not None and claim.op.exec == w.labels["ie"] and claim.obligations == ()
+    assert claim is not None and claim.op.exec == w.labels["ie"]
+    owed = tuple(o for o in claim.obligations if lost_region_park and o.op == f"lost:{move_id}")
+    assert claim.obligations == owed and len(owed) == lost_region_park, claim.obligations
 
 
 async def still_served_on_ie(w: AgentWorld, host: str, note: str) -> None:

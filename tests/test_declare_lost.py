@@ -23,10 +23,11 @@ from aiohttp.test_utils import TestServer
 
 from bus.nats_log import NatsEventLog
 from bus.subjects import FACTS_STREAM, alert_subject
+from events import Actor
 from events.base import decode
 from events.copy import say
 from hostmove.probe_apps import post_write
-from hostmove.procs import service_env
+from hostmove.procs import ServiceProc, service_env
 from hostmove.rehearsal import ack_logs, declared_losses, nothing_missing
 from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV
@@ -34,11 +35,12 @@ from kernel.ports import SystemRandom, WallClock
 from kernel.timetext import utc_text
 from services.box.fence import read_fence
 from services.box.instance.sandbox import instance_dir
+from services.box.roster import init_box
 from services.door.api import Door, make_app
 from services.door.auth import Identity, TokenSet
 from services.door.declare import DeclareLost, declare_lost
 from services.ledger.audit import run_audit
-from services.move.lost import LossDeclaration, loss_key
+from services.move.lost import REGION_OWNER, LossDeclaration, loss_key, lost_op
 from services.objstore.port import Got
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
@@ -134,10 +136,11 @@ async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves
         finally:
             await server.close()
 
-        await closed_on_ie(w, host, move_id, "rolled_back")
+        await closed_on_ie(w, host, move_id, "rolled_back", lost_region_park=True)
         claim = (await w.ledger.read_claim(host)).state
         assert claim is not None and claim.holder is not None
         assert [b.box for b in claim.lost] == [uk]
+        assert [(o.kind, o.region, o.owner) for o in claim.obligations] == [("park-superseded", "uk", REGION_OWNER)]
         back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
         landed = any(a.box == uk for a in claim.holder.admissions)
         assert landed == (dies == "after_effects:probing"), claim.holder.admissions
@@ -195,7 +198,7 @@ async def test_a_fenced_target_before_the_commit_is_evidence_with_no_operator(
         assert claim.op.journal.get(f"loss.{uk}") == ref.journal() and [b.box for b in claim.lost] == [uk]
         assert (await RecoveryPass(w.ledger, w.events).run_once()).errors == [], "a second pass changes nothing"
 
-        await closed_on_ie(w, host, move_id, "rolled_back")
+        await closed_on_ie(w, host, move_id, "rolled_back", lost_region_park=True)
         claim = (await w.ledger.read_claim(host)).state
         assert claim is not None and claim.holder is not None
         back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
@@ -206,5 +209,81 @@ async def test_a_fenced_target_before_the_commit_is_evidence_with_no_operator(
         logs = ack_logs(w.root / "acks", host, ie, {"uk": uk})
         check = nothing_missing(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", logs, host, declared_list)
         assert check.ok, check.line()
+        audit = await run_audit(w.events, w.ledger, host=host)
+        assert audit.clean(strict=True), [f.line() for f in audit.findings]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_lost_regions_next_live_box_parks_the_hosts_location_by_exact_versions(
+        stack: StackInfo, unique: Callable[[str], str], shared: tuple[S3Store, NatsEventLog, str],
+        tmp_path: Path) -> None:
+    """§7.14 item 5 (rule ``lost-region-park``): the declaration's claim CAS queues the park of the host's location in
+    the lost target's region, owed by that region (no live box there: the lost one is stopped), and covers its
+    predecessors; the source's return is born covered under it. A replacement box enrolled in the region adopts the
+    park, parks every version of the host's location there by exact versions (a manifest under ``superseded/``),
+    acknowledges it after the horizon, and the audit is clean."""
+    store, events, prefix = shared
+    async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events, app_env=APP,
+                           extra={"uk": {ENV: "after_effects:probing"}}) as w:
+        host = f"{unique('lr')}.example.com"
+        ie, uk = w.labels["ie"], w.labels["uk"]
+        await create_and_write(w, host)
+        move_id = await request_move(w, host)
+        target = w.agents["uk"]
+
+        async def died() -> bool:
+            return not target.alive()
+
+        await eventually(died, "the target's death after its probe started", 90)
+        stopped = await cli(stack, w, "http://127.0.0.1:9", "box", "stop", "--label", uk)
+        assert stopped.returncode == 0, stopped
+        door = Door(w.ledger, clock=WallClock(), rng=SystemRandom())
+        answer = await declare_lost(door, host, DeclareLost(uk, "stopped", "test", confirmed=True),
+                                    Identity("alice", "operator"))
+        assert answer.status == 200, answer.body
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        park = next(o for o in claim.obligations if o.op == lost_op(move_id))
+        assert (park.kind, park.region, park.owner) == ("park-superseded", "uk", REGION_OWNER), park
+        assert park.scope is not None and park.scope.location == claim.holder.location.rstrip("/")
+        assert not any(not a.covered and a.predecessor_region == "uk" for a in claim.holder.admissions)
+
+        await closed_on_ie(w, host, move_id, "rolled_back", lost_region_park=True)
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None
+        back = next(a for a in reversed(claim.holder.admissions) if a.box == ie)
+        assert back.predecessor_region == "uk" and back.covered, back  # born covered under the region's park
+        uk_bucket = f"{w.prefix}-uk"
+        location = claim.holder.location.rstrip("/") + "/"
+        before = await store.list_versions(uk_bucket, location)
+        assert any(not e.is_delete_marker for e in before), "the lost probe wrote into its region"
+
+        replacement = unique("uk-new")
+        await init_box(root=w.root, label=replacement, region="uk", store=store, bucket=w.deploy, events=events,
+                       clock=WallClock(), actor=Actor(service="test-agents", pid=0, nonce="replacement"))
+        env = service_env(stack, root=w.root, bucket=w.deploy, extra={
+            "HOSTMOVE_DATA_BUCKET_PREFIX": w.prefix, "HOSTMOVE_PROFILE": "fast",
+            **{k: v for k, v in APP.items() if k.startswith("HOSTMOVE_")}})
+        agent = ServiceProc.serve("box", env, w.root / f"agent-{replacement}.log", "--label", replacement)
+        agent.start()
+        try:
+            async def parked() -> bool:
+                cur = (await w.ledger.read_claim(host)).state
+                return cur is not None and not any(o.op == lost_op(move_id) for o in cur.obligations)
+
+            try:
+                await eventually(parked, "the replacement box to park the lost region", 120)
+            except AssertionError:
+                raise AssertionError(agent.output()[-4000:]) from None
+        finally:
+            agent.stop()
+        assert await store.list_versions(uk_bucket, location) == [], "every version parked, by its version id"
+        manifests = await store.list_keys(uk_bucket, f"superseded/{host}/{lost_op(move_id)}/")
+        archived = {k.rsplit("@", 1)[1] for k in manifests if "@" in k}
+        assert {e.version_id for e in before if not e.is_delete_marker} <= archived, "each version archived exactly"
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and claim.holder is not None and claim.quiet_after.get("uk")
+        assert all(a.covered or a.predecessor_region != "uk" for a in claim.holder.admissions)
+        assert len(claim.holder.admissions) <= 8 or claim.holder.admissions[0].covered is False
         audit = await run_audit(w.events, w.ledger, host=host)
         assert audit.clean(strict=True), [f.line() for f in audit.findings]

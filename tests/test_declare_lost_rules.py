@@ -3,9 +3,10 @@ real-stack run is ``tests/test_declare_lost.py``."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from events.claim import Claim, Holder, LostBox, Obligation, Op, Scope
+from events.claim import Admission, Claim, Holder, LostBox, Obligation, Op, Predecessor, Scope
 from events.ids import rollback_id
 from events.record import Move, Record, Rollback
 from kernel import rules
@@ -18,7 +19,11 @@ from services.move.lost import (
     declaration_kind,
     declared_lost,
     loss_key,
+    lost_op,
+    region_park,
+    region_park_blocks,
 )
+from services.sweeper.lostparks import decide_adopt, decide_region_parked, region_parks
 
 HOST = "d.example.com"
 MV = "mv_" + "d" * 26
@@ -105,8 +110,9 @@ def test_a_dirty_target_that_had_not_returned_owes_the_return_lanes_park_to_the_
                                  source_region="ie")
     lane = Obligation(kind="park-staging", op=MV, region="ie", owner="ie-1",
                       scope=Scope(location=staging_scope_location(HOST, RB), incarnation=INC, evidence_at=5000))
-    assert half.obligations == (lane,), "the lost box's chores dropped, the lane's park owed by the source"
-    with rules.mutated(["lost-return-park"]):
+    park = region_park(before, decl("dirty-unreturned"), "")
+    assert half.obligations == (lane, park), "the lost box's chores dropped, the lane's park owed by the source"
+    with rules.mutated(["lost-return-park", "lost-region-park"]):
         assert decide_declared_claim(before, out, decl("dirty-unreturned"), {"enrollment": "e", "key": "k",
                                      "sha256": "s"}, source_region="ie").obligations == ()
 
@@ -120,3 +126,47 @@ def test_a_box_that_owes_only_local_chores_has_them_removed_and_nothing_else_cha
     half = decide_declared_claim(before, rec, decl("local-only"),
                                  {"enrollment": "e", "key": "k", "sha256": "s"}, source_region="ie")
     assert half.obligations == (other,) and half.op.exec == "uk-1" and "evidence.target" not in half.op.journal
+
+
+def test_the_lost_target_release_queues_its_regions_park_and_covers_its_predecessors_in_the_same_cas() -> None:
+    """§7.14 item 5: ``CoverRegionPredecessors`` in the CAS that queues the lost region's whole-location park, owed
+    by a live box of that region or by the region (its next live box adopts it); never owed by the lost box."""
+    there = Admission(session=3, box="uk-1", generation="g3", region="uk", predecessor=Predecessor(
+        session=2, box="uk-1", generation="g2"), predecessor_region="uk")
+    elsewhere = Admission(session=4, box="uk-1", generation="g4", region="uk", predecessor=Predecessor(
+        session=3, box="ie-1", generation="g1"), predecessor_region="ie")
+    before = msgspec.structs.replace(claim("landing"), holder=Holder(
+        incarnation=INC, location=f"instances/{HOST}/{INC}/", admissions=(there, elsewhere)))
+    out = decide_declared_record(record("landing"), before, decl("owes-evidence"), "k", 900_000)
+    ref = {"enrollment": "e", "key": "k", "sha256": "s"}
+    half = decide_declared_claim(before, out, decl("owes-evidence"), ref, source_region="ie")
+    park = Obligation(kind="park-superseded", op=lost_op(MV), region="uk", owner="@region",
+                      scope=Scope(location=f"instances/{HOST}/{INC}", incarnation=INC, evidence_at=5000))
+    assert half.obligations == (park,)
+    assert half.holder is not None and [a.covered for a in half.holder.admissions] == [True, False]
+    owned = decide_declared_claim(before, out, decl("owes-evidence"), ref, source_region="ie", region_box="uk-2")
+    assert [o.owner for o in owned.obligations] == ["uk-2"]
+    assert decide_declared_claim(half, out, decl("owes-evidence"), ref, source_region="ie") == half, "idempotent"
+    with rules.mutated(["lost-region-park"]):
+        off = decide_declared_claim(before, out, decl("owes-evidence"), ref, source_region="ie")
+        assert off.obligations == () and off.holder is not None and not any(a.covered for a in off.holder.admissions)
+    # M-R27: unadopted, it blocks a move into its region only; adopted, every move
+    assert region_park_blocks(park, "uk") and not region_park_blocks(park, "fr")
+    assert region_park_blocks(msgspec.structs.replace(park, owner="uk-2"), "fr")
+
+
+def test_the_regions_next_live_box_adopts_the_park_then_acknowledges_it() -> None:
+    park = Obligation(kind="park-superseded", op=lost_op(MV), region="uk", owner="@region",
+                      scope=Scope(location=f"instances/{HOST}/{INC}", incarnation=INC, evidence_at=5000))
+    at_rest = claim("serving", exec_="ie-1", obligations=(park,))
+    at_rest = msgspec.structs.replace(at_rest, op=Op(kind="serving", exec="ie-1", participants=("ie-1",)))
+    assert region_parks(at_rest, "uk", "uk-2") == [park] and region_parks(at_rest, "ie", "ie-1") == []
+    adopted = decide_adopt(at_rest, park, "uk-2")
+    assert isinstance(adopted, Claim) and [o.owner for o in adopted.obligations] == ["uk-2"]
+    assert region_parks(adopted, "uk", "uk-3") == [], "adopted: another box leaves it"
+    assert not isinstance(decide_adopt(adopted, park, "uk-3"), Claim), "adopted once"
+    mine = adopted.obligations[0]
+    done = decide_region_parked(adopted, mine, 9000)
+    assert isinstance(done, Claim) and done.obligations == () and done.quiet_after == {"uk": 9000}
+    named = msgspec.structs.replace(at_rest, op=Op(kind="moving", id=MV, exec="ie-1", participants=("ie-1", "uk-2")))
+    assert not isinstance(decide_adopt(named, park, "uk-2"), Claim), "never while an operation names the box"

@@ -28,6 +28,7 @@ from events.record import Move, Record
 from services.apps.manifest import Release
 from services.box.roster import DEFAULT_FLOOR, FLOOR_KEY, MOVES_PROTOCOL, Floor, Roster, RosterBox
 from services.ledger.ledger import NoChange, Refusal
+from services.move.lost import region_park_blocks
 
 CONSOLE_PROTOCOL = MOVES_PROTOCOL
 """The moves protocol this console speaks (§11: "the console reports its own")."""
@@ -321,8 +322,9 @@ def decide_move_claim(
     if op.kind != "serving" or current.holder is None:
         return refuse(409, "M-R8", host=host, kind=op.kind)
     # A park-generation retires a dead generation's own prefixes, which no operation ever writes again (a
-    # generation is opened once, §5.1 step 9): it blocks no move. Every other chore does (M-R27, CC11).
-    blocking = [o for o in current.obligations if o.kind != "park-generation"]
+    # generation is opened once, §5.1 step 9): it blocks no move. A lost region's park nobody adopted yet blocks a
+    # move into that region only (§7.14 item 5, services/move/lost.py). Every other chore does (M-R27, CC11).
+    blocking = [o for o in current.obligations if o.kind != "park-generation" and region_park_blocks(o, request.to)]
     if blocking:
         return refuse(409, "M-R27", host=host, count=len(blocking))
     source = roster.box(op.exec)

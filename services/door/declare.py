@@ -34,7 +34,9 @@ from services.move.lost import (
     decide_declared_claim,
     decide_declared_record,
     declaration_kind,
+    live_region_box,
     loss_key,
+    lost_op,
 )
 from services.objstore.port import Got
 from services.target.phases import ROLLBACK_RELEASE_MS
@@ -123,6 +125,7 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
             return Answer(409, {"error": "confirm", "copy": "M-R77", "confirm": sentence,
                                 "reason": say("M-R77", box=req.box, sentence=sentence)})
         if found is None:
+            region_box = live_region_box(roster, entry.region, claim, req.box) or "the region's next live box"
             decl = LossDeclaration(
                 host=host, move=move.id, box=req.box, role="target", kind=kind,
                 enrollment=f"{entry.secrets_key_fp}@{entry.registered_at}", region=entry.region,
@@ -131,7 +134,9 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
                 flipped_at=move.flipped_at, timers_lost=move.source.timers_sha256,
                 left_in_region=tuple(sorted({f"{entry.region}: {o.kind} {o.scope.location}" for o in claim.obligations
                                              if o.owner == req.box and o.op == move.id and o.scope is not None}
-                                            | ({f"{entry.region}: instances of {host} and moves/{host}/{move.id}/"}
+                                            | ({f"{entry.region}: instances of {host} (park {lost_op(move.id)}, "
+                                                 f"owed by {region_box}) and "
+                                                 f"moves/{host}/{move.id}/ (its at-rest sweep)"}
                                                if kind != "local-only" else set()))))
             with reading(f"The declaration {key}"):
                 await door.ledger.store.put(door.ledger.bucket, key, canonical(decl), if_none_match=True)
@@ -141,6 +146,7 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
     assert found is not None
     decl, digest = found
     ref = {"enrollment": decl.enrollment, "key": key, "sha256": digest}
+    owner = live_region_box(await door.roster(), decl.region, claim, decl.box)
 
     def decide_record(cur: Record | None) -> Record | NoChange | Refusal:
         if cur is not None and cur.move is not None and cur.move.rollback is not None and (
@@ -166,7 +172,7 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
                 b.box == decl.box for b in cur.lost):
             return NoChange("the declaration is already on the claim")
         try:
-            return decide_declared_claim(cur, record, decl, ref, source_region=move.from_)
+            return decide_declared_claim(cur, record, decl, ref, source_region=move.from_, region_box=owner)
         except NotLegal as exc:
             return refuse(exc.http, exc.copy, **exc.values)
 

@@ -23,6 +23,14 @@ decision: the target ``cleaned`` for want of a box, the rollback clean) and its 
 the box on ``lost``, its chores of the move dropped, the return lane's park owed). The source's recovery is then the
 clean return it always was, except that its admission is cold: the lost box's session is declared ``writes_lost``
 (:func:`declared_lost`).
+
+**The lost target's release** (§7.14 item 5, rule ``lost-region-park``): the same claim CAS queues the park of the
+host's whole location in the lost box's region (``park-superseded``, op ``lost:<move>``, scoped to
+``holder.location`` with ``evidence_at`` the declaration, after the platform showed the box stopped: nothing it
+signed lands after ``evidence_at + H``), owed by a live box of that region when the roster has one, else by
+:data:`REGION_OWNER`, which that region's next live box adopts (:mod:`services.sweeper.lostparks`), and covers the
+region's predecessors in that CAS (``CoverRegionPredecessors``). Its op is not the move's, so the move closes and
+releases without it; it blocks a move into its region only (M-R27, :func:`region_park_blocks`).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from events.claim import Claim, LostBox, Obligation, Scope
 from events.ids import rollback_id
 from events.record import Record
 from kernel import rules
+from services.box.instance.coverage import cover_region_predecessors
+from services.box.roster import Roster
 from services.move.follow import claim_half, host_segment, staging_scope_location
 
 rules.register(
@@ -52,7 +62,18 @@ rules.register(
     site="services/move/lost.py decide_declared_claim",
 )
 
+rules.register(
+    "lost-region-park",
+    section="§7.14 item 5 (CoverRegionPredecessors in a lost target's release); §7.10; §6.4",
+    meaning="declaring a target lost queues its region's whole-location park, owed by a live box of that region "
+            "or adopted by its next one, and covers that region's predecessors in the same CAS",
+    site="services/move/lost.py decide_declared_claim",
+)
+
 LOSSES_PREFIX = "control/losses/"
+REGION_OWNER = "@region"
+"""The owner of a lost region's park while that region has no live box: its next live box adopts it."""
+LOST_OP_PREFIX = "lost:"
 Kind = Literal["owes-evidence", "dirty-unreturned", "local-only"]
 EVIDENCE: frozenset[str] = frozenset({"stopped", "terminated"})
 BEFORE_RELEASE = ("", "releasing")
@@ -81,8 +102,9 @@ class LossDeclaration(Durable, frozen=True):
     timers_lost: str = ""
     """The digest of the timers registered on the box (the installed set): declared lost, never carried back."""
     left_in_region: tuple[str, ...] = ()
-    """What the lost box would have parked in its region's bucket and no live box parks now (its location, its
-    staging lane): named here for the operator, never exempted silently."""
+    """What the lost box would have parked in its region's bucket (its chores of the move, dropped): its location is
+    parked by the region's park this declaration queues (``lost:<move>``), its staging lane by that region's
+    at-rest sweep (§6.4), each once a live box serves there. Named here for the operator, never exempted silently."""
 
 
 def loss_key(host: str, move_id: str, box: str) -> str:
@@ -163,12 +185,44 @@ def decide_declared_record(record: Record | None, claim: Claim | None, decl: Los
     return msgspec.structs.replace(record, move=move)
 
 
+def lost_op(move_id: str) -> str:
+    """The op of a lost target's region park: not the move's, so the move closes and releases without it (K8)."""
+    return f"{LOST_OP_PREFIX}{move_id}"
+
+
+def region_park(claim: Claim, decl: LossDeclaration, region_box: str) -> Obligation | None:
+    """The lost region's whole-location park (module docstring), or None: no holder, or nothing remote to park
+    (``local-only``: the box owed only its local park)."""
+    holder = claim.holder
+    if holder is None or decl.kind == "local-only" or not decl.region:
+        return None
+    return Obligation(kind="park-superseded", op=lost_op(decl.move), region=decl.region,
+                      owner=region_box or REGION_OWNER,
+                      scope=Scope(location=holder.location.rstrip("/"), incarnation=holder.incarnation,
+                                  evidence_at=decl.declared_at))
+
+
+def live_region_box(roster: Roster, region: str, claim: Claim | None, lost_box: str) -> str:
+    """A live box of the lost box's region (not fenced, not lost) to owe its region's park, ``""`` for none: that
+    region's next live box adopts it then (:mod:`services.sweeper.lostparks`)."""
+    lost = frozenset(b.box for b in claim.lost) if claim is not None else frozenset()
+    live = [b.label for b in roster.live_in_region(region) if b.label != lost_box and b.label not in lost]
+    return sorted(live)[0] if live else ""
+
+
+def region_park_blocks(ob: Obligation, to_region: str) -> bool:
+    """M-R27 for a lost region's park nobody has adopted yet: it blocks a move into its region (whose install would
+    write into the location it parks), no other; adopted, it blocks every move like any chore."""
+    return not (ob.owner == REGION_OWNER and ob.op.startswith(LOST_OP_PREFIX) and ob.region != to_region)
+
+
 def decide_declared_claim(claim: Claim | None, record: Record | None, decl: LossDeclaration, ref: dict[str, str],
-                          *, source_region: str) -> Claim:
+                          *, source_region: str, region_box: str = "") -> Claim:
     """The claim half: follow the record (a landing to ``restoring``), ``exec`` none citing the declaration (K3),
-    ``op.journal["loss.<box>"]`` its reference, the box on ``lost``, its chores of the move dropped, and for a dirty
-    target that had not returned the return lane's ``park-staging`` owned by the source (rule ``lost-return-park``).
-    Idempotent."""
+    ``op.journal["loss.<box>"]`` its reference, the box on ``lost``, its chores of the move dropped, for a dirty
+    target that had not returned the return lane's ``park-staging`` owned by the source (rule ``lost-return-park``),
+    and the lost region's whole-location park, owed by ``region_box`` (a live box of that region, ``""`` for none),
+    with ``CoverRegionPredecessors`` (rule ``lost-region-park``). Idempotent."""
     if claim is None or claim.holder is None or record is None or record.move is None:
         raise NotLegal(409, "M-R19", host=decl.host)
     followed = claim_half(claim, record) if decl.kind != "local-only" else None  # local-only: nothing else changes
@@ -192,10 +246,17 @@ def decide_declared_claim(claim: Claim | None, record: Record | None, decl: Loss
                                       evidence_at=decl.declared_at))
         if not any(o.kind == lane.kind and o.op == lane.op and o.owner == source for o in kept):
             kept = (*kept, lane)
+    park = region_park(current, decl, region_box) if rules.on("lost-region-park") else None
+    if park is not None and not any(o.kind == park.kind and o.op == park.op and o.region == park.region
+                                    for o in kept):
+        kept = (*kept, park)
     lost = current.lost if any(b.box == decl.box for b in current.lost) else (
         *current.lost, LostBox(box=decl.box, fence=ref["key"], at=decl.declared_at))
-    return msgspec.structs.replace(current, op=msgspec.structs.replace(op, exec=exec_, journal=journal),
-                                   obligations=kept, lost=lost)
+    out = msgspec.structs.replace(current, op=msgspec.structs.replace(op, exec=exec_, journal=journal),
+                                  obligations=kept, lost=lost)
+    # CoverRegionPredecessors (§7.14 item 5): the region's whole-location park covers the records whose
+    # predecessors are there, in the CAS that queues it
+    return cover_region_predecessors(out, decl.region) if park is not None else out
 
 
 def declared_lost(claim: Claim | None, box: str) -> bool:
@@ -204,5 +265,6 @@ def declared_lost(claim: Claim | None, box: str) -> bool:
     return claim is not None and any(b.box == box for b in claim.lost) and f"loss.{box}" in claim.op.journal
 
 
-__all__ = ["LOSSES_PREFIX", "Kind", "LossDeclaration", "NotLegal", "declaration_kind", "decide_declared_claim",
-           "decide_declared_record", "declared_lost", "loss_key"]
+__all__ = ["LOSSES_PREFIX", "LOST_OP_PREFIX", "REGION_OWNER", "Kind", "LossDeclaration", "NotLegal",
+           "declaration_kind", "decide_declared_claim", "decide_declared_record", "declared_lost", "live_region_box",
+           "loss_key", "lost_op", "region_park", "region_park_blocks"]

@@ -15,7 +15,10 @@ For every host with a record, with no memory of its own:
   restarted pass raises nothing twice;
 - relocates the hosts of a fenced box (:mod:`services.recovery.relocation`): a serving host of a fenced box to
   ``relocating`` at ``pinning``, and from there to its region's replacement box once one is enrolled (alerting
-  once while none is).
+  once while none is);
+- bounds the claim and record history of each host at rest (:mod:`services.sweeper.history`): noncurrent versions
+  older than ``H`` and beyond the newest four are deleted by exact version id, at most once per
+  :data:`HISTORY_EVERY_MS` per host (the console's, since ruling M17 lets no box delete in the deployment bucket, C5a).
 
 It decides nothing the record has not decided: every write is conditional on the claim it read.
 
@@ -36,7 +39,7 @@ import msgspec
 
 from bus.facts import Fact, publish_alert, publish_fact
 from bus.log import EventLog, LogError, LogUnavailable
-from events.claim import Claim
+from events.claim import Claim, Scope
 from events.copy import say
 from events.durable import DurableValueError
 from events.record import Record
@@ -55,7 +58,9 @@ from services.move.lost import (
     decide_declared_claim,
     decide_declared_record,
     declaration_kind,
+    live_region_box,
 )
+from services.move.park import PRODUCTION, ParkTiming
 from services.move.rollback import decide_deadline_rollback
 from services.objstore.port import StoreError, StoreUnavailable
 from services.recovery.relocation import (
@@ -65,12 +70,17 @@ from services.recovery.relocation import (
     decide_fence_host,
     decide_relocation_target,
 )
+from services.sweeper.history import LedgerHistory
 from services.target.phases import ROLLBACK_RELEASE_MS
 
 log = logging.getLogger("hostmove.recovery")
 
 RECORDS_PREFIX = "control/records/"
 UNAVAILABLE_IN_A_ROW = 3
+HISTORY_EVERY_MS = 60_000
+"""How often a host's claim and record history is looked at (two version listings)."""
+FAST_HISTORY_EVERY_MS = 5_000
+"""The same in the fast profile (tests, benchmarks)."""
 """Hosts in a row S3 did not answer for before a pass counts the store as down and stops."""
 
 
@@ -103,15 +113,24 @@ class PassReport:
     records_finished: list[str] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)
+    """Noncurrent claim and record versions deleted (:mod:`services.sweeper.history`)."""
     unavailable: tuple[str, str] | None = None
     """``(dependency, reason)`` when an outage stopped the pass (``nats`` or ``s3``); the rest was not looked at."""
 
 
 class RecoveryPass:
-    def __init__(self, ledger: Ledger, events: EventLog, *, release_ms: int = ROLLBACK_RELEASE_MS) -> None:
+    def __init__(self, ledger: Ledger, events: EventLog, *, release_ms: int = ROLLBACK_RELEASE_MS,
+                 park_timing: ParkTiming = PRODUCTION, history_every_ms: int = HISTORY_EVERY_MS) -> None:
         self.ledger = ledger
         self.events = events
         self.release_ms = release_ms
+        self.history = LedgerHistory(ledger.store, ledger.bucket, ledger.clock,
+                                     park_timing.horizon_ms(Scope(location="control")))
+        """The noncurrent versions of each host's claim and record, bounded (:mod:`services.sweeper.history`): the
+        console's, since M17 lets no box delete in the deployment bucket (C5a)."""
+        self.history_every_ms = history_every_ms
+        self._history_next: dict[str, int] = {}
         self._alerted: set[tuple[str, str]] = set()
         self._roster: Roster | None = None
         self._fenced: frozenset[str] = frozenset()
@@ -188,6 +207,10 @@ class RecoveryPass:
                 report.alerts.append(f"{host}: {incident.kind}")
         if claim is not None and self._roster is not None:
             await self._relocate(host, claim, report)
+        at_rest = claim is not None and claim.op.kind == "serving" and (record is None or record.move is None)
+        if at_rest and self._history_next.get(host, 0) <= now:  # at rest, at most once per history_every_ms
+            self._history_next[host] = now + self.history_every_ms
+            report.history += await self.history.look(host)
 
     async def _deadline_rollback(self, host: str, record: Record, report: PassReport) -> None:
         """§7.8's ``landing_deadline`` trigger, then the claim half it decided (§7.5)."""
@@ -353,7 +376,9 @@ class RecoveryPass:
             if cur is not None and cur.op.journal.get(f"fence.{target}") == cited:
                 return NoChange("the fence is already on the claim")
             try:
-                half = decide_declared_claim(cur, record, decl, cited, source_region=decl_region(record))
+                half = decide_declared_claim(cur, record, decl, cited, source_region=decl_region(record),
+                                             region_box=live_region_box(self._roster, fence.region, cur, target)
+                                             if self._roster is not None else "")
             except NotLegal as exc:
                 return Refusal(exc.copy)
             return msgspec.structs.replace(half, op=msgspec.structs.replace(

@@ -54,6 +54,7 @@ from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.follow import host_segment
 from services.move.park import Acknowledged, Parker
 from services.sweeper.generations import GenerationParks
+from services.sweeper.lostparks import LostRegionParks
 from services.sweeper.retention import RetentionSweep
 
 log = logging.getLogger("hostmove.sweeper")
@@ -317,12 +318,15 @@ class StragglerSweep:
     """The ``park-generation`` chores this box owns (:mod:`services.sweeper.generations`)."""
     retention: RetentionSweep = field(init=False)
     """The retention of ``superseded/`` and ``move-snapshots/`` in this box's bucket."""
+    lost_parks: LostRegionParks = field(init=False)
+    """The lost targets' parks of this box's region it adopts and runs (:mod:`services.sweeper.lostparks`)."""
     every_ms: int = 10_000
     """How often the serving box sweeps its own region for a host (:meth:`serving`)."""
     _serving_next: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.generations = GenerationParks(self.box, self.region, self.ledger, self.parker, self.events)
+        self.lost_parks = LostRegionParks(self.box, self.region, self.ledger, self.parker)
         self.retention = RetentionSweep(self.box, self.region, self.parker.store, self.parker.bucket, self.clock,
                                         events=self.events, actor=self.ledger.actor)
         if self.retention_ms is not None:
@@ -336,6 +340,9 @@ class StragglerSweep:
         if pending_generation_chores(claim, self.box):
             chores = await self.generations.run(host)
             return SweepReport("; ".join(chores.did), chores.wake_at)
+        region_parks = await self.lost_parks.run(host, claim)  # a lost target's region park (§7.14 item 5)
+        if region_parks.did:
+            return SweepReport("; ".join(region_parks.did), region_parks.wake_at)
         retired = await self.retention.look(host, claim, (await self.ledger.read_record(host)).state)
         if retired:
             return SweepReport("; ".join(retired))
