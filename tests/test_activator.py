@@ -27,6 +27,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
+from services.box.artifacts.filesmanifest import read_manifest
 from services.box.artifacts.markers import read_files_gen
 from services.box.instance.activator import (
     Activator,
@@ -334,8 +335,14 @@ async def test_a_store_outage_during_a_start_is_not_a_failed_start(world: World,
     assert row is not None and row.status == "ready", "a store outage never marks the route failed"
     assert not ctx.tree.populated(host), "the half-started app was stopped"
     ctx.data_store = world.store
+    first = (await world.ledger.read_claim(host)).state
+    assert first is not None and first.holder is not None
+    assert await read_manifest(world.store, world.bucket, first.holder.location, first.holder.generation) is None
     started = await world.activator(ctx).wake(host)
     assert isinstance(started, Started), started
+    # the next wake's flush of what that app committed published its files first (L17: a generation that holds
+    # data has a manifest), so a disk lost later still finds the installation's files
+    assert await read_manifest(world.store, world.bucket, first.holder.location, first.holder.generation) is not None
 
 
 class _FirstMarkerTimesOut(_PutsTimeOut):

@@ -323,7 +323,7 @@ class Ledger:
             if len(body) > MAX_OBJECT_BYTES:
                 raise DurableValueError("invalid_value", "max_bytes", f"the {obj} of {host} would be {len(body)} "
                                         f"bytes; at most {MAX_OBJECT_BYTES}")
-            decode(body, cls)  # what is written passes exactly the check it will meet on read
+            written_state = decode(body, cls)  # what is written passes exactly the check it will meet on read
             meta = EventMeta(name=meta_name, actor=self.actor, at=self.clock.now_ms(), causation=causation)
             metadata = {META_EVENT: _b64(canonical(meta)), META_SHA: hashlib.sha256(body).hexdigest()}
             self._fault(f"before_cas:{obj}:{meta_name}")
@@ -357,7 +357,7 @@ class Ledger:
             self._fault("after_publish")
             self._fault(f"after_publish:{obj}:{meta_name}")
             if put.etag:
-                self._remember_written(obj, host, Current(new, put.etag, put.version_id, meta, body))
+                self._remember_written(obj, host, Current(written_state, put.etag, put.version_id, meta, body))
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
         metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome="conflict").inc()
         return lost

@@ -929,6 +929,7 @@ class Activator:
             if not (last_here and self.policy.certificates) or isinstance(await self.ctx.data_store.head(
                     self.ctx.data_bucket, certificate_key(holder.location, holder.generation, session)), Got):
                 return None
+        await self._files_before_flush(claim)
         # What the dead process had in flight at level 0 may still land: the flush's full file covers those ranges
         # too, so a late one is passed over by the restore, and is settled by this later upload of its range
         in_flight = Uploads.open(db, holder.generation).level0_ranges()
@@ -957,6 +958,27 @@ class Activator:
             else:
                 await self._certify(holder.location, holder.generation, session, rep.position)
         return rep.position
+
+    async def _files_before_flush(self, claim: Claim) -> None:
+        """L17 for a flush (§5.3 step 5): a generation that holds data has a files manifest. A start that died
+        after its app ran but before its manifest was published (a store that did not answer) leaves the
+        installation's files only on this disk; the flush that uploads its database publishes them first, or a
+        later lost disk leaves a host with data and no files, which is never started empty (the simulation: move
+        seed 259 stalled for good). A manifest already there is the generation's: nothing is written."""
+        holder = claim.holder
+        assert holder is not None
+        ctx = self.ctx
+        if not os.path.lexists(ctx.files_dir(claim.host)):
+            return
+        try:
+            if await newest_manifest(ctx.data_store, ctx.data_bucket, holder.location, [holder.generation]):
+                return
+        except FilesManifestInvalid:
+            return  # a manifest is there, malformed: the start's files step says so; never replaced here
+        try:
+            await self._publish_files(claim)
+        except StartError as exc:  # the database still ships: its writes matter more than a manifest's error
+            log.error("the files of %s have no manifest in generation %s: %s", claim.host, holder.generation, exc)
 
     async def _supersede_covered(self, rep: Replicator, first: SyncResult | None, cover: tuple[int, int] | None
                                  ) -> None:
