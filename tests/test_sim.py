@@ -1064,11 +1064,7 @@ def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
 
     result = run_move_seed(0)
     assert not result.violations and result.error is None, result.report()
-    # seed 0 freezes its move's target whole, the operator declares it lost (once refused: running) after the platform
-    # stopped it, and the move rolls back (sim/moves.py _maybe_freeze): the replays below cover a freeze too
-    assert (result.counters["targets_frozen"], result.counters["declared_lost"], result.counters["platform_stops"]) \
-        == (1, 2, 1), result.counters
-    assert result.counters["moves_done"] + result.counters["moves_rolled_back"] >= 1 and result.counters["crashes"] > 0
+    assert result.counters["moves_done"] >= 1 and result.counters["crashes"] > 0
     assert result.counters["faults_fired"] > 0 and result.counters["writes_acknowledged"] > 0
     lines = []
     entry_points = (("0", [sys.executable, "-m", "sim"]),
@@ -1087,6 +1083,22 @@ def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
                            check=False)
     assert after.returncode == 0, after.stderr
     assert after.stdout.split()[-1] == traces[0]
+
+
+def test_a_frozen_target_is_declared_lost_and_the_seed_converges_the_same_twice() -> None:
+    """With frozen targets on (``HOSTMOVE_SIM_FREEZE_P``, off in the gate: sim/moves.py FREEZE_P), move seed 0 freezes
+    its move's target whole during the landing's probe; the operator's declaration on the box's silence alone is
+    refused (the platform shows it running), the platform stops it, the declaration through the door is taken, the
+    source recovers and the platform starts the box again (it quarantines): converged clean, the same trace twice."""
+    env = {**os.environ, "HOSTMOVE_SIM_FREEZE_P": "0.1"}
+    lines = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "sim", "moves", "--seeds", "1"], cwd=ROOT, capture_output=True,
+                             env=env, text=True, timeout=600, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines.append(out.stdout.splitlines()[0])
+    assert "targets_frozen=1 declared_lost=2 platform_stops=1 ok" in lines[0], lines[0]
+    assert lines[0] == lines[1]
 
 
 def test_a_machine_gone_for_good_is_replaced_and_its_host_relocated() -> None:
