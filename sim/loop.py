@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
-    "EPOCH_MS", "SimBudgetExceeded", "SimDeadlock", "SimLoop", "SimulationRefused", "VirtualClock", "run",
+    "EPOCH_MS", "OWNER", "SimBudgetExceeded", "SimDeadlock", "SimLoop", "SimulationRefused", "VirtualClock", "run",
     "sandbox",
 ]
 
@@ -43,6 +43,11 @@ T = TypeVar("T")
 
 EPOCH_MS = 1_700_000_000_000
 """What virtual time 0 reads as on a :class:`VirtualClock` (milliseconds since the epoch)."""
+
+
+OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("sim_owner", default="")
+"""The actor (a box's label) whose task runs: every task and callback a box's agent starts inherits it, so
+:meth:`SimLoop.freeze` can stop the whole box (its agent, its replicators, its requests in flight) at once."""
 
 
 class SimulationRefused(RuntimeError):
@@ -78,6 +83,22 @@ class SimLoop(asyncio.BaseEventLoop):
         self.max_steps = max_steps
         self.errors: list[dict[str, Any]] = []
         self.set_exception_handler(self._record_error)
+        self.frozen: set[str] = set()
+        self._deferred: list[asyncio.Handle] = []
+
+    # -- a whole box frozen (a paused VM): its callbacks wait, time moves on -------------------------
+
+    def freeze(self, owner: str) -> None:
+        """Every callback of ``owner``'s tasks waits from now on, its timers included, while virtual time moves on
+        (a whole-VM pause, model 5). :meth:`thaw` runs them again, in their order."""
+        self.frozen.add(owner)
+
+    def thaw(self, owner: str) -> None:
+        self.frozen.discard(owner)
+        kept: list[asyncio.Handle] = []
+        for handle in self._deferred:
+            (kept if handle._context.get(OWNER) in self.frozen else self._ready).append(handle)  # type: ignore[attr-defined]
+        self._deferred = kept
 
     # -- time ---------------------------------------------------------------------------------------
 
@@ -141,8 +162,12 @@ class SimLoop(asyncio.BaseEventLoop):
         if len(batch) > 1:
             self._rng.shuffle(batch)
         limit = self.max_steps
+        frozen = self.frozen
         for handle in batch:
             if handle._cancelled:
+                continue
+            if frozen and handle._context.get(OWNER) in frozen:
+                self._deferred.append(handle)
                 continue
             self.steps += 1
             if limit is not None and self.steps > limit:

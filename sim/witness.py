@@ -22,11 +22,14 @@ from dataclasses import dataclass
 import msgspec
 
 from events.claim import Claim, Op
+from events.ids import rollback_id
 from services.agent.config import region_bucket
+from services.box.compute import BoxCompute
 from services.box.instance.sandbox import instance_dir
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
 from services.ledger.ledger import Committed
+from services.target.worker import staging_prefix
 from sim.faults import QuietPlan, Timing
 from sim.moves import MoveConsole, MovePlan, MoveWorld
 from sim.run import DEFAULT_TIMING, Result, execute
@@ -490,6 +493,125 @@ async def w_move_asleep(world: World) -> None:
     await _writes(mw, 2, "after")
 
 
+def _probing(mw: MoveWorld, box: str) -> Callable[[], bool]:
+    """The landing's probe runs on ``box`` and nothing is committed (after the flip, before the commit)."""
+    def probing() -> bool:
+        slot = mw.slots[box]
+        running = slot.actor.agent.instances.get(H) if slot.up else None
+        record = mw.records.get(H)
+        move = record.move if record is not None else None
+        return running is not None and running.origin == "probe" and move is not None and move.committed_at is None
+
+    return probing
+
+
+async def w_declare_lost(world: World) -> None:
+    """A host moves ie -> uk; while the landing's probe runs on uk-1 (after the flip, before the commit) the whole VM
+    of uk-1 freezes: its agent, its replicator and the probe app stop, time moves on. Ten minutes later the operator,
+    taking the unanswering box for gone (its lease expired), declares it lost without the platform (model 5): the
+    door refuses (M-R75, the compute is not shown stopped). The operator has the platform stop uk-1 (the compute
+    port's twin: every process of it dies) and declares it lost again through the door: a clean rollback citing the
+    declaration, the source recovers cold (the lost session's writes declared) and the host serves on ie-1 with its
+    writes. Then the platform starts uk-1 again with its old disk: its agent quarantines first, retiring every local
+    artifact of the host (``lost-quarantine``), and the host stays on ie-1. Mutated (``declare-lost-compute`` off),
+    the first declaration is taken: the source recovers while the frozen VM still runs the probe app, two process
+    trees of the host (INV-1), and the VM resumes beside it. Mutated (``lost-quarantine`` off), uk-1 starts again
+    with its stale local state of the host: INV-10 (its local form, :meth:`MoveWorld._quarantined`)."""
+    mw = await _serving_with_writes(world, 3)
+    await _request_move(mw, "uk")
+    await world.until("the landing's probe runs on uk-1", _probing(mw, "uk-1"), timeout=4 * 3600.0)
+    mw.freeze("uk-1")
+    await asyncio.sleep(600.0)
+    console = mw.console()
+    assert isinstance(console, MoveConsole)
+    if await console.declare_lost(H, "uk-1", ask_platform=False) != 200:
+        entry = (await console.door.roster()).box("uk-1")
+        assert entry is not None
+        await mw.compute.stop(BoxCompute.of(entry))
+        status = await console.declare_lost(H, "uk-1")
+        if status != 200:
+            raise MilestoneMissed(f"the door refused to declare the stopped uk-1 lost: {status}")
+    await _closed(mw)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 2, "after")
+    if "uk-1" in mw.stopped:
+        mw.start_machine("uk-1")
+    else:
+        mw.resume("uk-1")
+    await asyncio.sleep(600.0)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 2, "later")
+
+
+async def w_fence_converts_moving(world: World) -> None:
+    """wFenceConvertsMoving (§7.10, claim 6.28): a host moves ie -> uk; while the move prepares (before the flip) the
+    source's machine is terminated: its box is gone for good, the platform fences it (``control/box-fences/``, the
+    roster's ``fenced_at``) and enrolls a replacement, ie-2, in the one-box region later. The recovery pass converts
+    the ``moving`` op in one CAS to ``relocating`` at ``pinning`` (exec none, the fence cited) and, once ie-2 is
+    enrolled, hands the host to it: ie-2 restores it from the region's bucket and serves it, the move closed.
+    Mutated (``fence-converts-moving`` off), the move with a fenced source only raises ``fenced-box-in-operation``
+    and is never resolved without an operator: the host never serves again (INV-3)."""
+    mw = await _serving_with_writes(world, 3)
+    await _request_move(mw, "uk")
+
+    def preparing() -> bool:
+        record = mw.records.get(H)
+        return record is not None and record.move is not None and record.move.state in ("preparing", "ready")
+
+    await world.until("the move prepares", preparing, timeout=3600.0)
+    world.crash("ie-1", "witness: the source's machine is terminated")
+    mw.terminate("ie-1")
+    await world.until("the replacement ie-2 enrolled", lambda: "ie-2" in mw.slots, timeout=4 * 3600.0)
+    await _serving_on(mw, "ie-2")
+    await _writes(mw, 2, "after")
+
+
+async def w_lost_return_park(world: World) -> None:
+    """Model 27: the app writes on the target during its probe and fails its readiness there, so the rollback is
+    dirty and uk-1 returns its state through the return lane in ie's bucket. The moment uk-1 has issued the first PUT
+    of its lane (accepted by the store, not applied yet) its VM freezes and the operator has the platform stop it and
+    declares it lost: the target released dirty and had not returned (``dirty-unreturned``), so the same claim CAS
+    owes the lane's ``park-staging`` to the source (§7.8). The source recovers its own state cold (the target's
+    session declared lost), the held PUT lands afterwards, and the source's park retires the lane after its horizon:
+    the move closes ``rolled_back`` with nothing left under the lane. The platform then starts uk-1 again: it
+    quarantines, and its at-rest sweep retires the host's location and forward lane in uk, which no live box parked.
+    Mutated (``lost-return-park`` off), nobody owes a park of the return lane: the move closes with the lane's object
+    still in ie's bucket (INV-10 at the close, :meth:`MoveWorld._lane_at_close`; the serving region's at-rest sweep
+    retires it later, defence in depth, ``sweep-staging``)."""
+    mw = await _serving_with_writes(world, 3)
+    mw.moves = (MovePlan(H, 0, float("inf"), "auto", 0.0, None, "after-write"),)  # the operator's one move
+    await _request_move(mw, "uk")
+    record = mw.records.get(H)
+    if record is None or record.move is None:
+        raise MilestoneMissed("the move is not on the record after the door took it")
+    mw.move_of[(H, 0)] = record.move.id
+    lane = staging_prefix(H, rollback_id(record.move.id))
+    hold = world.s3.hold(lambda r: r.principal.name == "uk-1" and r.access.op == "put"
+                         and r.access.bucket == region_bucket("ie") and r.access.key.startswith(lane),
+                         stage="accepted", once=True)
+    await world.until("uk-1 issued the first PUT of its return lane", lambda: bool(hold.matched),
+                      timeout=4 * 3600.0)
+    mw.freeze("uk-1")
+    console = mw.console()
+    assert isinstance(console, MoveConsole)
+    entry = (await console.door.roster()).box("uk-1")
+    assert entry is not None
+    await mw.compute.stop(BoxCompute.of(entry))
+    status = await console.declare_lost(H, "uk-1")
+    if status != 200:
+        raise MilestoneMissed(f"the door refused to declare the stopped uk-1 lost: {status}")
+    hold.release()
+    await _closed(mw)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 2, "after")
+    # What the lost box would have parked in its own region (its location in uk: the declaration's left_in_region)
+    # waits for a box of that region: the platform starts uk-1 again, it quarantines, and its at-rest sweep retires
+    # that location (§6.4). The lane in ie's bucket is the source's to park, and only the declaration owes it.
+    mw.start_machine("uk-1")
+    await asyncio.sleep(600.0)
+    await _writes(mw, 2, "later")
+
+
 WITNESSES: tuple[Witness, ...] = (
     Witness("wMove", ("record-first-close",), "INV-3", ((H, "ie-1"),), w_move, w_move.__doc__ or "", moves=True),
     Witness("wDirtyRollback", ("dirty-return",), "INV-2", ((H, "ie-1"),), w_dirty_rollback,
@@ -541,6 +663,14 @@ WITNESSES: tuple[Witness, ...] = (
             w_generation_conditional, w_generation_conditional.__doc__ or ""),
     Witness("wPublishBeforeSupersede", ("publish-before-supersede",), "ledger-history", ((H, "ie-1"),),
             w_publish_before_supersede, w_publish_before_supersede.__doc__ or ""),
+    Witness("wDeclareLostCompute", ("declare-lost-compute",), "INV-1", ((H, "ie-1"),), w_declare_lost,
+            w_declare_lost.__doc__ or "", moves=True),
+    Witness("wLostQuarantine", ("lost-quarantine",), "INV-10", ((H, "ie-1"),), w_declare_lost,
+            "wDeclareLostCompute's script (its unmutated run): " + (w_declare_lost.__doc__ or ""), moves=True),
+    Witness("wLostReturnPark", ("lost-return-park",), "INV-10", ((H, "ie-1"),), w_lost_return_park,
+            w_lost_return_park.__doc__ or "", moves=True),
+    Witness("wFenceConvertsMoving", ("fence-converts-moving",), "INV-3", ((H, "ie-1"),), w_fence_converts_moving,
+            w_fence_converts_moving.__doc__ or "", moves=True),
     Witness("wLedgerCas", ("ledger-cas",), "ledger-history", ((H, "ie-1"),), w_ledger_cas,
             w_ledger_cas.__doc__ or ""),
 )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import random
 from collections.abc import Awaitable, Callable, Coroutine
@@ -63,7 +64,7 @@ from services.ledger.ledger import Committed, Crash, Ledger, LedgerDefect
 from services.objstore.port import Got, StoreError, Won
 from sim.faults import FaultPlan, Timing
 from sim.invariants import Checker, Proc, object_of_key
-from sim.loop import VirtualClock
+from sim.loop import OWNER, VirtualClock
 from sim.trace import Trace
 from sim.twins.jetstream import Delivery, SimEventLog, SimJetStream
 from sim.twins.s3 import NOMINAL, Access, M17Policy, Principal, SimS3, SimS3Client
@@ -640,8 +641,10 @@ class World:
 
     def _run_main(self, slot: Slot) -> None:
         actor = slot.actor
-        if actor.main is None:
-            actor.main = asyncio.ensure_future(self._supervise(slot, actor))
+        if actor.main is None:  # its tasks carry its name (sim.loop.OWNER): a whole box can be frozen
+            context = contextvars.copy_context()
+            context.run(OWNER.set, slot.name)
+            actor.main = self.loop.create_task(self._supervise(slot, actor), context=context)
 
     async def _supervise(self, slot: Slot, actor: ActorBase) -> None:
         try:

@@ -8,6 +8,7 @@ time) and on the real servers of the ``stack`` fixture (SeaweedFS, nats-server).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import random
 import socket
@@ -91,6 +92,39 @@ def test_virtual_time_jumps_and_timers_fire_in_time_order() -> None:
     assert seen == [("minute", 60.0), ("hour", 3600.0), ("day", 86400.0)]
     assert time.perf_counter() - started < 1.0, "a virtual day costs no wall time"
     assert loop.time() == 86400.0
+
+
+def test_a_frozen_owner_runs_nothing_while_time_moves_on_and_resumes_where_it_was() -> None:
+    """SimLoop.freeze (a whole-VM pause, sim/README.md "Frozen targets"): every callback of the frozen owner's tasks
+    waits, its timers included, while the others run and virtual time moves on; thawed, it continues where it was,
+    with the clock jumped."""
+    from sim.loop import OWNER
+
+    async def main() -> list[tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[str, float]] = []
+
+        async def ticker(name: str) -> None:
+            for _ in range(3):
+                await asyncio.sleep(10.0)
+                seen.append((name, loop.time()))
+
+        def owned(name: str) -> asyncio.Task[None]:
+            context = contextvars.copy_context()
+            context.run(OWNER.set, name)
+            return loop.create_task(ticker(name), context=context)
+
+        tasks = [owned("a"), owned("b")]
+        await asyncio.sleep(15.0)
+        loop.freeze("a")  # type: ignore[attr-defined]
+        await asyncio.sleep(100.0)
+        loop.thaw("a")  # type: ignore[attr-defined]
+        await asyncio.gather(*tasks)
+        return seen
+
+    seen, _loop = run(main(), seed=3)
+    assert [t for n, t in seen if n == "b"] == [10.0, 20.0, 30.0]
+    assert [t for n, t in seen if n == "a"] == [10.0, 115.0, 125.0], seen
 
 
 def _interleaving(seed: int) -> list[int]:
@@ -1049,6 +1083,22 @@ def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
                            check=False)
     assert after.returncode == 0, after.stderr
     assert after.stdout.split()[-1] == traces[0]
+
+
+def test_a_frozen_target_is_declared_lost_and_the_seed_converges_the_same_twice() -> None:
+    """With frozen targets on (``HOSTMOVE_SIM_FREEZE_P``, off in the gate: sim/moves.py FREEZE_P), move seed 0 freezes
+    its move's target whole during the landing's probe; the operator's declaration on the box's silence alone is
+    refused (the platform shows it running), the platform stops it, the declaration through the door is taken, the
+    source recovers and the platform starts the box again (it quarantines): converged clean, the same trace twice."""
+    env = {**os.environ, "HOSTMOVE_SIM_FREEZE_P": "0.1"}
+    lines = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "sim", "moves", "--seeds", "1"], cwd=ROOT, capture_output=True,
+                             env=env, text=True, timeout=600, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines.append(out.stdout.splitlines()[0])
+    assert "targets_frozen=1 declared_lost=2 platform_stops=1 ok" in lines[0], lines[0]
+    assert lines[0] == lines[1]
 
 
 def test_a_machine_gone_for_good_is_replaced_and_its_host_relocated() -> None:
