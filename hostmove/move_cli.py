@@ -317,6 +317,9 @@ def milestones(view: Mapping[str, Any], watch: Watch, now_ms: int) -> list[tuple
             off = offline_ms(move)
             if move.get("opened_at") is not None and off is not None:
                 out.append(("moved", say("M-C7", host=host, to_region=dst, seconds=_secs(off))))
+            if move.get("target_fenced"):  # §7.10: committed, its target gone; the close goes on without it
+                box = _target_box(claim)
+                out.append(("target-fenced", say("M-S13", box=box, move_id=watch.move_id, host=host, region=dst)))
         elif state in ("rolling_back", "restoring", "rolled_back"):
             why = _clause(str(rollback.get("reason") or reason or "no reason was recorded"))
             out.append(("rollback", say("M-C8", to_region=dst, host=host, reason=why, from_region=src)))

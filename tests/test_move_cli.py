@@ -724,3 +724,16 @@ async def test_a_door_that_goes_away_while_waiting_ends_as_an_outage_at_the_dead
     lines = buf.getvalue().splitlines()
     assert lines[0].endswith("retrying until the deadline") and len(lines) == 2, "each trouble said once"
     assert lines[-1].startswith("The door could not tell where the move") and "preparing" in lines[-1]
+
+
+def test_a_target_fenced_after_the_commit_is_said_while_the_move_closes() -> None:
+    """§7.10: the committed move's target was fenced; the watch says so (M-S13) before the close, not silence."""
+    watch = move_cli.Watch("h.example.com", "mv_1")
+    view = {"move": {"id": "mv_1", "state": "committed", "from": "ie", "to": "uk", "reason": "",
+                     "target_fenced": "control/box-fences/uk-1.json"},
+            "claim": {"kind": "moving", "participants": ["ie-1", "uk-1"]}, "last_move": None}
+    keys = dict(move_cli.milestones(view, watch, 0))
+    assert keys["target-fenced"] == say("M-S13", box="uk-1", move_id="mv_1", host="h.example.com", region="uk")
+    assert "moved" not in keys, "it never opened on the fenced box"
+    plain = {**view, "move": {**view["move"], "target_fenced": ""}}
+    assert "target-fenced" not in dict(move_cli.milestones(plain, watch, 0))
