@@ -50,6 +50,7 @@ from events.durable import DurableValueError
 from events.envelope import Actor, Transition
 from events.record import Record
 from kernel import ports
+from kernel.passes import PassPool
 from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
@@ -242,31 +243,44 @@ class MoveBox(ActorBase):
         await self.retrying("consumer", lambda: self.events.add_consumer(
             LEDGER_STREAM, self.durable, filter_subject=LEDGER_EVENTS, ack_wait_s=self.world.timing.ack_wait_s,
             max_deliver=self.world.timing.max_deliver))
-        loop = self.world.loop
+        self.spawn(self.consume(), "consumer")
+        agent, loop = self.agent, self.world.loop
+        pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
+                        spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
         next_scan = loop.time()
-        dirty: set[str] = set()
         while True:
             now = loop.time()
             if now >= next_scan:
                 try:
-                    dirty |= await self.agent.scan()
+                    for host in sorted(await agent.scan()):
+                        agent.notify(host)
                 except EXPECTED as exc:
                     self.emit(f"scan failed: {type(exc).__name__}")
                 next_scan = loop.time() + AGENT_TIMING.scan_s
             due = {h for h, at in self.due.items() if at <= loop.time()}
             for h in due:
                 del self.due[h]
-            for host in sorted(dirty | due | self.agent.take_notified()):
-                await self.pass_host(host)
-            dirty = set()
+            agent.wakeup.clear()
+            pool.submit(due | agent.take_notified())  # concurrent, one pass per host (BoxAgent._pass_loop)
             until = min([next_scan, *self.due.values()])
             self.idle = True
-            deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
-                                                 timeout=max(until - loop.time(), 0.001))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(agent.wakeup.wait(), max(until - loop.time(), 0.001))
             self.idle = False
+
+    async def consume(self) -> None:
+        """The durable consumer: every ledger event marks its host dirty (``BoxAgent.wake_on``'s part)."""
+        while True:
+            try:
+                deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
+                                                     timeout=AGENT_TIMING.scan_s)
+            except EXPECTED as exc:
+                self.emit(f"fetch failed: {type(exc).__name__}")
+                await asyncio.sleep(AGENT_TIMING.retry_s)
+                continue
             for d in deliveries:
                 with contextlib.suppress(SubjectError):
-                    dirty.add(parse_ledger_subject(d.msg.subject)[1])
+                    self.agent.notify(parse_ledger_subject(d.msg.subject)[1])
                 with contextlib.suppress(*EXPECTED):
                     await d.ack()
 
@@ -297,6 +311,7 @@ class MoveBox(ActorBase):
             return
         finally:
             self.busy -= 1
+            self.agent.wakeup.set()  # the loop starts what waited for this pass
         for line in result.did:
             self.emit(f"{host} {line}")
         self.mworld.idle_stops += sum("asleep until" in line for line in result.did)
