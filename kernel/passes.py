@@ -96,6 +96,7 @@ class PassPool:
         self._run, self._spawn = run, spawn
         self._tasks: dict[str, asyncio.Future[None]] = {}
         self.ended = asyncio.Event()
+        self.closed = False
 
     def submit(self, hosts: Iterable[str]) -> None:
         """Owe ``hosts`` a pass and start what the bound allows."""
@@ -114,6 +115,8 @@ class PassPool:
         return self.slots.idle
 
     def _start(self) -> None:
+        if self.closed:  # a pass ending after the close (its process dying) starts none
+            return
         for host in self.slots.take():
             self._tasks[host] = self._spawn(self._one(host), host)
 
@@ -135,12 +138,17 @@ class PassPool:
         finally:
             self.slots.owed = {**owed, **self.slots.owed}
 
-    async def cancel(self) -> None:
-        """Cancel every running pass and wait for them to end."""
-        self.slots.owed = {}
+    def close(self) -> list[asyncio.Future[None]]:
+        """Start nothing more and cancel the running passes (answered: their tasks)."""
+        self.closed, self.slots.owed = True, {}
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
+        return tasks
+
+    async def cancel(self) -> None:
+        """:meth:`close`, then wait for the running passes to end."""
+        tasks = self.close()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

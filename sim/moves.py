@@ -224,6 +224,7 @@ class MoveBox(ActorBase):
         self.durable = f"agent-{label}"
         self.due: dict[str, float] = {}
         self.spins: dict[str, int] = {}  # host -> consecutive passes that spun
+        self.pool: PassPool | None = None
 
     async def probe_factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
         """The target's probe app: the production :class:`ProcessApp` spawning a sim instance in the tree."""
@@ -245,8 +246,8 @@ class MoveBox(ActorBase):
             max_deliver=self.world.timing.max_deliver))
         self.spawn(self.consume(), "consumer")
         agent, loop = self.agent, self.world.loop
-        pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
-                        spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
+        pool = self.pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
+                                    spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
         next_scan = loop.time()
         while True:
             now = loop.time()
@@ -327,6 +328,8 @@ class MoveBox(ActorBase):
 
     def kill(self) -> None:
         """Memory lost: the agent's tasks (its passes and its replicators) stop; its instances keep running."""
+        if self.pool is not None:  # a pass that crashed the agent starts no other as it ends
+            self.pool.close()
         for running in list(self.agent.instances.values()):  # the box's one registry: woken and landed alike
             if running.task is not None:
                 running.task.cancel()

@@ -124,6 +124,9 @@ async def test_drain_waits_for_the_running_and_starts_none_and_cancel_ends_them(
     await until("b runs", lambda: p.running == {"b"})
     await pool.cancel()
     assert not p.running and pool.idle
+    pool.submit({"c"})  # closed: nothing starts again
+    await asyncio.sleep(0)
+    assert p.started == ["a", "b"] and pool.running == set()
 
 
 async def test_bounded_runs_items_in_order_at_most_workers_at_once_and_stops_starting_on_stop() -> None:
