@@ -225,6 +225,17 @@ class MoveBox(ActorBase):
         self.due: dict[str, float] = {}
         self.spins: dict[str, int] = {}  # host -> consecutive passes that spun
         self.pool: PassPool | None = None
+        self.kick = asyncio.Event()
+        """The loop's wake: a delivery or a pass ended (a demand is taken with the next, as the loop always did)."""
+
+    @property  # type: ignore[override]
+    def idle(self) -> bool:
+        """Waiting for work with nothing half done: the loop waits and no pass runs or is owed (the world's rest)."""
+        return self._waiting and (self.pool is None or self.pool.idle)
+
+    @idle.setter
+    def idle(self, waiting: bool) -> None:
+        self._waiting = waiting
 
     async def probe_factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
         """The target's probe app: the production :class:`ProcessApp` spawning a sim instance in the tree."""
@@ -261,12 +272,12 @@ class MoveBox(ActorBase):
             due = {h for h, at in self.due.items() if at <= loop.time()}
             for h in due:
                 del self.due[h]
-            agent.wakeup.clear()
+            self.kick.clear()
             pool.submit(due | agent.take_notified())  # concurrent, one pass per host (BoxAgent._pass_loop)
             until = min([next_scan, *self.due.values()])
             self.idle = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(agent.wakeup.wait(), max(until - loop.time(), 0.001))
+            with contextlib.suppress(TimeoutError):  # a demand alone (a due timer, a wake request) waits for these
+                await asyncio.wait_for(self.kick.wait(), max(until - loop.time(), 0.001))
             self.idle = False
 
     async def consume(self) -> None:
@@ -284,6 +295,8 @@ class MoveBox(ActorBase):
                     self.agent.notify(parse_ledger_subject(d.msg.subject)[1])
                 with contextlib.suppress(*EXPECTED):
                     await d.ack()
+            if deliveries:
+                self.kick.set()
 
     async def timers(self) -> None:
         """``BoxAgent.run``'s timer loop: deliver what is due every tick (§9.4)."""
@@ -312,7 +325,7 @@ class MoveBox(ActorBase):
             return
         finally:
             self.busy -= 1
-            self.agent.wakeup.set()  # the loop starts what waited for this pass
+            self.kick.set()  # the loop starts what waited for this pass
         for line in result.did:
             self.emit(f"{host} {line}")
         self.mworld.idle_stops += sum("asleep until" in line for line in result.did)
