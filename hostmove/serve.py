@@ -19,7 +19,9 @@ objects, the projection's stored position), never memory.
   and a scan (:mod:`services.agent.service`). Refuses to run where it cannot spawn strictly (§5.3).
   ``HOSTMOVE_PROFILE`` picks the timing profile (``fast`` for the embedded default, ``production``);
   ``HOSTMOVE_IDLE_S`` overrides how long a serving instance may be idle before it sleeps (``never``: it does not);
-  ``HOSTMOVE_SCAN_S`` the period of its backstop look at the claims.
+  ``HOSTMOVE_SCAN_S`` the period of its backstop look at the claims; ``HOSTMOVE_PASS_WORKERS`` how many hosts'
+  passes it runs at once (one per host at a time; the recovery pass likewise, :mod:`kernel.passes`);
+  ``HOSTMOVE_PROBE_WINDOW_S`` the landing probe's window (§7.3).
 - ``door``: the operator HTTP API (move requests, cut, abort, status, create); needs operator tokens
   (``HOSTMOVE_OPERATOR_TOKENS``: sha256 digests, see :mod:`services.door.auth`).
 
@@ -183,15 +185,21 @@ def api_bind() -> str:
 RECOVERY_INTERVAL_S = 5.0
 
 
-async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
+async def _recovery(rt: Runtime, stop: asyncio.Event) -> int:
     import os
 
+    from kernel.passes import WORKERS_ENV, workers_override
     from services.move.park import FAST, PRODUCTION
     from services.recovery.recovery import FAST_HISTORY_EVERY_MS, HISTORY_EVERY_MS, RecoveryPass
 
+    try:
+        workers = workers_override(os.environ.get(WORKERS_ENV))
+    except ValueError as exc:  # nothing starts
+        log.error("hostmove serve recovery: %s", exc, extra=ctx(phase="recovery", reason=exc))
+        return 2
     fast = os.environ.get("HOSTMOVE_PROFILE", "fast" if rt.settings.local else "production") == "fast"
     recovery = RecoveryPass(rt.ledger, rt.events, park_timing=FAST if fast else PRODUCTION,  # H of the history
-                            history_every_ms=FAST_HISTORY_EVERY_MS if fast else HISTORY_EVERY_MS)
+                            history_every_ms=FAST_HISTORY_EVERY_MS if fast else HISTORY_EVERY_MS, workers=workers)
     log.info("recovery: a recovery pass every %g s", RECOVERY_INTERVAL_S, extra=ctx(phase="recovery"))
     pace = _Pace("recovery", RECOVERY_INTERVAL_S, stop, rt)
     while not stop.is_set():
@@ -210,6 +218,7 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> None:
         else:
             pace.passed()
         await pace.sleep()
+    return 0
 
 
 async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:
@@ -237,7 +246,9 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         BoxAgent,
         cut_window_override,
         idle_override,
+        pass_workers_override,
         prepare_override,
+        probe_window_override,
         scan_override,
     )
     from services.box.instance.agentcg import box_session
@@ -260,6 +271,8 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         timing = prepare_override(timing, os.environ.get("HOSTMOVE_PREPARE_BOUND_S"))
         timing = cut_window_override(timing, os.environ.get("HOSTMOVE_CUT_WINDOW_S"))
         timing = scan_override(timing, os.environ.get("HOSTMOVE_SCAN_S"))
+        timing = pass_workers_override(timing, os.environ.get("HOSTMOVE_PASS_WORKERS"))
+        timing = probe_window_override(timing, os.environ.get("HOSTMOVE_PROBE_WINDOW_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))
         return 2
@@ -400,7 +413,7 @@ async def run(service: str, settings: Settings, *, port: int = 0, label: str = "
             elif service == "door":
                 await _door(rt, stop, port)
             elif service == "recovery":
-                await _recovery(rt, stop)
+                return await _recovery(rt, stop)
             else:
                 raise ValueError(f"unknown service {service!r}")
         finally:

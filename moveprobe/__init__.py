@@ -25,6 +25,8 @@ Run it with ``python -m moveprobe``. Configuration, all from the environment:
 - ``MOVEPROBE_FAIL_READY_WHEN``: ``before-write`` (default: the boot writes nothing at all to the
   instance, and ``/write`` and timer deliveries answer 503) or ``after-write`` (the boot commits one
   row before it listens, then writes as usual; only readiness fails).
+- ``MOVEPROBE_HOLD_READY_FILE`` and ``MOVEPROBE_HOLD_READY_IN`` (a region, or several separated by commas): in a
+  named region, ``GET /ready`` answers 503 while the file exists (checked at every request: a slow readiness).
 - ``MOVEPROBE_WORKER``: 1 (default) forks the worker at every boot; 0 does not.
 - ``MOVEPROBE_WORKER_FILE``: the worker's heartbeat side file, default
   ``<ack log dir>/<host>.worker.jsonl``; never inside the instance.

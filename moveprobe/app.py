@@ -48,6 +48,8 @@ def readiness(cfg: Config, *, initialized: bool, secret_present: bool, loop_erro
             f"failing readiness on purpose: MOVEPROBE_FAIL_READY_IN names this region ({cfg.region}), "
             "after writing; this boot committed a row before it first answered"
         )
+    if cfg.held_here:
+        return f"readiness held: {cfg.hold_ready_file} exists (MOVEPROBE_HOLD_READY_FILE) in {cfg.region}"
     if not initialized:
         return "the instance has no database yet"
     if not secret_present:

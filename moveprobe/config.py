@@ -49,6 +49,15 @@ class Config:
     once_after_s: float = DEFAULT_ONCE_AFTER_S
     session: str = ""
     secret_var: str = ""
+    hold_ready_in: str = ""
+    hold_ready_file: Path | None = None
+
+    @property
+    def held_here(self) -> bool:
+        """True while the hold file exists and the hold names this region: a slow readiness, live (a test holds a
+        landing's probe for as long as it needs, then lets it answer)."""
+        return (self.hold_ready_file is not None and self.region in {r.strip() for r in self.hold_ready_in.split(",")}
+                and self.hold_ready_file.exists())
 
     @property
     def db_path(self) -> Path:
@@ -172,6 +181,9 @@ def load_config(env: Mapping[str, str]) -> Config:
         once_after_s=_float(env, "MOVEPROBE_ONCE_AFTER_S", DEFAULT_ONCE_AFTER_S, minimum=0.0),
         session=env.get("MOVEPROBE_SESSION", "").strip(),
         secret_var=env.get("MOVEPROBE_SECRET_VAR", "").strip(),
+        hold_ready_in=env.get("MOVEPROBE_HOLD_READY_IN", "").strip(),
+        hold_ready_file=Path(os.path.abspath(hold_raw)) if (hold_raw := env.get("MOVEPROBE_HOLD_READY_FILE",
+                                                                                 "").strip()) else None,
     )
     if worker_file is not None and (_inside(worker_file, cfg.files_dir) or worker_file == cfg.db_path):
         raise ConfigError(

@@ -53,6 +53,7 @@ from events.envelope import Actor, Transition
 from events.ids import rollback_id
 from events.record import Record
 from kernel import ports
+from kernel.passes import PassPool
 from services.agent.config import BoxConfig, region_bucket
 from services.agent.service import AgentTiming
 from services.agent.service import BoxAgent as ProductionAgent
@@ -234,6 +235,18 @@ class MoveBox(ActorBase):
         self.durable = f"agent-{label}"
         self.due: dict[str, float] = {}
         self.spins: dict[str, int] = {}  # host -> consecutive passes that spun
+        self.pool: PassPool | None = None
+        self.kick = asyncio.Event()
+        """The loop's wake: a delivery or a pass ended (a demand is taken with the next, as the loop always did)."""
+
+    @property  # type: ignore[override]
+    def idle(self) -> bool:
+        """Waiting for work with nothing half done: the loop waits and no pass runs or is owed (the world's rest)."""
+        return self._waiting and (self.pool is None or self.pool.idle)
+
+    @idle.setter
+    def idle(self, waiting: bool) -> None:
+        self._waiting = waiting
 
     async def probe_factory(self, host: str, attempt: int, db_path: Path) -> ProbeApp:
         """The target's probe app: the production :class:`ProcessApp` spawning a sim instance in the tree."""
@@ -266,33 +279,48 @@ class MoveBox(ActorBase):
         await self.retrying("consumer", lambda: self.events.add_consumer(
             LEDGER_STREAM, self.durable, filter_subject=LEDGER_EVENTS, ack_wait_s=self.world.timing.ack_wait_s,
             max_deliver=self.world.timing.max_deliver))
-        loop = self.world.loop
+        self.spawn(self.consume(), "consumer")
+        agent, loop = self.agent, self.world.loop
+        pool = self.pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
+                                    spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
         next_scan = loop.time()
-        dirty: set[str] = set()
         while True:
             now = loop.time()
             if now >= next_scan:
                 try:
-                    dirty |= await self.agent.scan()
+                    for host in sorted(await agent.scan()):
+                        agent.notify(host)
                 except EXPECTED as exc:
                     self.emit(f"scan failed: {type(exc).__name__}")
                 next_scan = loop.time() + AGENT_TIMING.scan_s
             due = {h for h, at in self.due.items() if at <= loop.time()}
             for h in due:
                 del self.due[h]
-            for host in sorted(dirty | due | self.agent.take_notified()):
-                await self.pass_host(host)
-            dirty = set()
+            self.kick.clear()
+            pool.submit(due | agent.take_notified())  # concurrent, one pass per host (BoxAgent._pass_loop)
             until = min([next_scan, *self.due.values()])
             self.idle = True
-            deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
-                                                 timeout=max(until - loop.time(), 0.001))
+            with contextlib.suppress(TimeoutError):  # a demand alone (a due timer, a wake request) waits for these
+                await asyncio.wait_for(self.kick.wait(), max(until - loop.time(), 0.001))
             self.idle = False
+
+    async def consume(self) -> None:
+        """The durable consumer: every ledger event marks its host dirty (``BoxAgent.wake_on``'s part)."""
+        while True:
+            try:
+                deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
+                                                     timeout=AGENT_TIMING.scan_s)
+            except EXPECTED as exc:
+                self.emit(f"fetch failed: {type(exc).__name__}")
+                await asyncio.sleep(AGENT_TIMING.retry_s)
+                continue
             for d in deliveries:
                 with contextlib.suppress(SubjectError):
-                    dirty.add(parse_ledger_subject(d.msg.subject)[1])
+                    self.agent.notify(parse_ledger_subject(d.msg.subject)[1])
                 with contextlib.suppress(*EXPECTED):
                     await d.ack()
+            if deliveries:
+                self.kick.set()
 
     async def timers(self) -> None:
         """``BoxAgent.run``'s timer loop: deliver what is due every tick (§9.4)."""
@@ -321,6 +349,7 @@ class MoveBox(ActorBase):
             return
         finally:
             self.busy -= 1
+            self.kick.set()  # the loop starts what waited for this pass
         for line in result.did:
             self.emit(f"{host} {line}")
         self.mworld.idle_stops += sum("asleep until" in line for line in result.did)
@@ -336,6 +365,8 @@ class MoveBox(ActorBase):
 
     def kill(self) -> None:
         """Memory lost: the agent's tasks (its passes and its replicators) stop; its instances keep running."""
+        if self.pool is not None:  # a pass that crashed the agent starts no other as it ends
+            self.pool.close()
         for running in list(self.agent.instances.values()):  # the box's one registry: woken and landed alike
             if running.task is not None:
                 running.task.cancel()

@@ -20,7 +20,9 @@ moves landing on it. It keeps nothing that matters in memory:
   demand: a router's request on ``hm.box.<label>.wake`` (:meth:`BoxAgent.demand`), a due timer, or a move
   (S1 probes the source as it runs, §7.3).
 
-Passes run one host at a time: a long landing delays other hosts' passes on this box (stated limit).
+- **Passes run concurrently** (issue 19 item 3, §7.4: the cut window is per host): up to ``pass_workers``
+  (``HOSTMOVE_PASS_WORKERS``) hosts at once, one pass at a time per host (:mod:`services.agent.passes`), so a long
+  landing never delays another host's cut.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from events.record import Record
 from kernel import metrics, ports, rules
 from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
+from kernel.passes import DEFAULT_WORKERS, PassPool, workers_override
 from kernel.ports import Clock, Random, blocking
 from services.agent.config import (
     TIMER_PATH,
@@ -160,6 +163,8 @@ class AgentTiming:
     """What T11 prices beside the measured rates (the probe's window and settle, the open, the cut window, §7.3)."""
     rates_max_age_s: float = 60.0
     """The box's measured rates are measured again once older than this (:mod:`services.target.rates`)."""
+    pass_workers: int = DEFAULT_WORKERS
+    """How many hosts' passes run at once, one per host at a time (:mod:`services.agent.passes`, issue 19 item 3)."""
 
 
 PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
@@ -227,6 +232,28 @@ def scan_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     if not 0 < scan_s < float("inf"):
         raise ValueError(f"HOSTMOVE_SCAN_S must be a positive number of seconds, not {text!r}")
     return replace(timing, scan_s=scan_s)
+
+
+def probe_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_PROBE_WINDOW_S``: the landing probe's window (§7.3 "the app must answer within the probe window"):
+    the probe's deadline and what T11 prices both take it. Unset keeps the profile's; anything else is refused with
+    the reason (a window T11 then finds too long for the cut window refuses the cut, as any budget does)."""
+    if text is None or not text.strip():
+        return timing
+    try:
+        window = float(text)
+    except ValueError:
+        window = -1.0
+    if not 0 < window < float("inf"):
+        raise ValueError(f"HOSTMOVE_PROBE_WINDOW_S must be a positive number of seconds, not {text!r}")
+    return replace(timing, probe=replace(timing.probe, window_s=window),
+                   budget=replace(timing.budget, probe_window_s=window))
+
+
+def pass_workers_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_PASS_WORKERS``: how many hosts' passes a box runs at once (issue 19 item 3); unset keeps the
+    profile's. Anything but a positive whole number is refused with the reason."""
+    return replace(timing, pass_workers=workers_override(text, timing.pass_workers))
 
 
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
@@ -820,7 +847,49 @@ class BoxAgent:
                      extra=ctx(box=self.label, phase="outage", reason=self._down))
             self._down = None
 
+    @property
+    def wakeup(self) -> asyncio.Event:
+        """Set when there is work for the loop: a host marked dirty (:meth:`notify`) or a pass ended."""
+        return self._wake
+
+    async def pass_one(self, host: str) -> None:
+        """One host's pass as the loop runs it: an outage or an error is this host's only (logged, due again after
+        ``retry_s``); its edge entry is published and its next wake scheduled; the loop is woken."""
+        try:
+            result = await self.pass_host(host)
+            self._outage(None)
+        except (LogUnavailable, StoreUnavailable) as exc:  # the outage is named once, not per pass
+            self._outage(f"{dependency_of(exc)}: {exc}")
+            result = PassResult(host, again_in_s=self.timing.retry_s)
+        except Exception as exc:  # noqa: BLE001 - logged, retried: a pass is idempotent
+            log.warning("pass of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "",
+                        extra=ctx(host=host, box=self.label, reason=exc, error=type(exc).__name__))
+            result = PassResult(host, again_in_s=self.timing.retry_s)
+        finally:
+            self._wake.set()  # the loop starts what waited for this pass
+        for line in result.did:
+            log.info("%s: %s", host, line, extra=ctx(host=host, box=self.label, step=line))
+        self.publish_endpoint(host)
+        if result.again_in_s is not None:
+            at = self.clock.monotonic() + result.again_in_s
+            self._due[host] = min(self._due.get(host, at), at)
+
+    def _hold(self, hosts: set[str], now: float) -> None:
+        """An outage keeps ``hosts``' work for later: due again after ``retry_s``."""
+        at = now + self.timing.retry_s
+        for host in hosts:
+            self._due[host] = min(self._due.get(host, at), at)
+
     async def _pass_loop(self, stop: asyncio.Event) -> None:
+        pool = PassPool(self.timing.pass_workers, self.pass_one)
+        try:
+            await self._loop(stop, pool)
+            await pool.drain()  # stop: no pass starts, the running ones end (as a pass in progress always did)
+        finally:
+            await pool.cancel()
+
+    async def _loop(self, stop: asyncio.Event, pool: PassPool) -> None:
         next_scan = self.clock.monotonic()
         while not stop.is_set():
             now = self.clock.monotonic()
@@ -835,36 +904,17 @@ class BoxAgent:
                     log.warning("scan failed on %s: %s", self.label, type(exc).__name__,
                                 extra=ctx(box=self.label, phase="scan", reason=exc))
                 next_scan = now + self.timing.scan_s
+                if stop.is_set():
+                    break
             due = {h for h, at in self._due.items() if at <= now}
             for h in due:
                 del self._due[h]
             work = self.take_notified() | due
             self._wake.clear()
             if bus_down is not None:  # nothing a pass decides can be journaled: keep the work for later
-                at = now + self.timing.retry_s
-                for host in work:
-                    self._due[host] = min(self._due.get(host, at), at)
-                work = set()
-            for host in sorted(work):
-                if stop.is_set():
-                    break
-                try:
-                    result = await self.pass_host(host)
-                    self._outage(None)
-                except (LogUnavailable, StoreUnavailable) as exc:  # the outage is named once, not per pass
-                    self._outage(f"{dependency_of(exc)}: {exc}")
-                    result = PassResult(host, again_in_s=self.timing.retry_s)
-                except Exception as exc:  # noqa: BLE001 - logged, retried: a pass is idempotent
-                    log.warning("pass of %s on %s failed: %s: %s", host, self.label, type(exc).__name__,
-                                str(exc).splitlines()[0][:200] if str(exc) else "",
-                                extra=ctx(host=host, box=self.label, reason=exc, error=type(exc).__name__))
-                    result = PassResult(host, again_in_s=self.timing.retry_s)
-                for line in result.did:
-                    log.info("%s: %s", host, line, extra=ctx(host=host, box=self.label, step=line))
-                self.publish_endpoint(host)
-                if result.again_in_s is not None:
-                    at = self.clock.monotonic() + result.again_in_s
-                    self._due[host] = min(self._due.get(host, at), at)
+                self._hold(work | pool.withdraw(), now)
+            else:
+                pool.submit(work)  # the hosts running already are passed again once their pass ends
             if self._dirty:
                 continue
             until = min([next_scan, *self._due.values()])
@@ -907,5 +957,6 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
     return port if newer_than is None or session > newer_than else None
 
 
-__all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "endpoint_path",
-           "cut_window_override", "idle_override", "prepare_override", "read_endpoint", "scan_override"]
+__all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "cut_window_override",
+           "endpoint_path", "idle_override", "pass_workers_override", "prepare_override", "probe_window_override",
+           "read_endpoint", "scan_override"]

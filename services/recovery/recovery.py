@@ -44,6 +44,7 @@ from events.copy import say
 from events.durable import DurableValueError
 from events.record import Record
 from kernel.logctx import ctx
+from kernel.passes import DEFAULT_WORKERS, bounded
 from services.box.fence import BoxFence, FenceRef, read_fence, verify_ref
 from services.box.roster import Roster, RosterBox, read_roster
 from services.door.decide import choose
@@ -121,8 +122,12 @@ class PassReport:
 
 class RecoveryPass:
     def __init__(self, ledger: Ledger, events: EventLog, *, release_ms: int = ROLLBACK_RELEASE_MS,
-                 park_timing: ParkTiming = PRODUCTION, history_every_ms: int = HISTORY_EVERY_MS) -> None:
+                 park_timing: ParkTiming = PRODUCTION, history_every_ms: int = HISTORY_EVERY_MS,
+                 workers: int = DEFAULT_WORKERS) -> None:
         self.ledger = ledger
+        self.workers = workers
+        """How many hosts the pass looks at at once, each once (issue 19 item 3: a slow host never delays the
+        others' deadlines; ``HOSTMOVE_PASS_WORKERS``)."""
         self.events = events
         self.release_ms = release_ms
         self.history = LedgerHistory(ledger.store, ledger.bucket, ledger.clock,
@@ -159,22 +164,26 @@ class RecoveryPass:
             report.unavailable = ("s3", f"the hosts could not be listed: {exc}")
             return report
         in_a_row = 0
-        for host in hosts:
+
+        async def one(host: str) -> None:
+            nonlocal in_a_row
             report.hosts += 1
             try:
                 await self._host(host, report)
                 in_a_row = 0
             except LogUnavailable as exc:  # no transition can be published: the pass stops here
-                report.unavailable = ("nats", f"{host}: {exc}")
-                return report
+                report.unavailable = report.unavailable or ("nats", f"{host}: {exc}")
             except (DurableValueError, StoreError, LogError) as exc:
                 # C6: a read error never acts. Report it and go on with the other hosts.
                 in_a_row = in_a_row + 1 if isinstance(exc, StoreUnavailable) else 0
                 if in_a_row >= UNAVAILABLE_IN_A_ROW:
-                    report.unavailable = ("s3", f"{host}: {exc}")
-                    return report
+                    report.unavailable = report.unavailable or ("s3", f"{host}: {exc}")
+                    return
                 report.errors.append(f"{host}: {exc}")
                 log.error("recovery skipped %s: %s", host, exc, extra=ctx(host=host, phase="recovery", reason=exc))
+
+        # Hosts concurrently, in order, ``workers`` at once; an outage starts no further host (the running end).
+        await bounded(hosts, self.workers, one, stop=lambda: report.unavailable is not None)
         return report
 
     async def _host(self, host: str, report: PassReport) -> None:

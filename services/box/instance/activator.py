@@ -327,6 +327,7 @@ class Activator:
         """A fixed app for every host, or the source that renders each host's from its release (every start)."""
         self.policy = policy or StartPolicy()
         self._specs: dict[str, AppSpec] = {}
+        self._flushing = asyncio.Lock()  # the box's passes run concurrently (issue 19 item 3): one flush at a time
 
     async def app_spec(self, claim: Claim) -> AppSpec:
         """The app ``claim``'s host starts as on this box (:class:`AppUnavailable` when it cannot)."""
@@ -535,8 +536,10 @@ class Activator:
         await outbox.flush(self.ctx.ledger.events)
 
     async def flush_alerts(self) -> int:
-        """Deliver what the outbox still holds (the agent's passes call it); answers how many are left."""
-        return await AlertOutbox(self.ctx.box_dir).flush(self.ctx.ledger.events)
+        """Deliver what the outbox still holds (the agent's passes call it, concurrently: one flush at a time);
+        answers how many are left."""
+        async with self._flushing:
+            return await AlertOutbox(self.ctx.box_dir).flush(self.ctx.ledger.events)
 
     async def _certified(self, claim: Claim, baseline: str | None, remote_max: int) -> bool:
         """Does a clean-close certificate cover the predecessor session (the last admission)?"""
@@ -1058,7 +1061,11 @@ class AlertOutbox:
         left = 0
         for path in self.pending():
             try:
-                await publish_alert(events, decode(path.read_bytes(), Fact))
+                body = path.read_bytes()
+            except FileNotFoundError:  # delivered meanwhile by another flush
+                continue
+            try:
+                await publish_alert(events, decode(body, Fact))
             except LogError as exc:
                 log.warning("alert %s not delivered yet: %s", path.name, exc)
                 left += 1
