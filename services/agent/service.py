@@ -174,31 +174,37 @@ PRODUCTION_AGENT = AgentTiming(scan_s=15.0, retry_s=5.0, move=Timings(
 FAST_AGENT = AgentTiming()
 
 
+def seconds_setting(name: str, text: str | None, *, above: float = 0.0, above_what: str = "",
+                    extra: str = "") -> float | None:
+    """A setting of seconds (``name``): None when unset or blank; a finite number above ``above``, or a
+    ``ValueError`` naming the setting, what it must be and what was given (nothing starts)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not above < value < float("inf"):
+        what = f"a number of seconds above {above_what}" if above_what else "a positive number of seconds"
+        raise ValueError(f"{name} must be {what}{extra}, not {text!r}")
+    return value
+
+
 def idle_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_IDLE_S``: seconds a serving instance may be idle before it sleeps, or ``never``; unset keeps the
     profile's. Anything else is refused with the reason (nothing starts)."""
-    if text is None or not text.strip():
-        return timing
-    if text.strip() == "never":
+    if text is not None and text.strip() == "never":
         return replace(timing, idle_s=None)
-    try:
-        idle_s = float(text)
-    except ValueError:
-        idle_s = -1.0
-    if not 0 < idle_s < float("inf"):
-        raise ValueError(f"HOSTMOVE_IDLE_S must be a positive number of seconds or 'never', not {text!r}")
-    return replace(timing, idle_s=idle_s)
+    idle_s = seconds_setting("HOSTMOVE_IDLE_S", text, extra=" or 'never'")
+    return timing if idle_s is None else replace(timing, idle_s=idle_s)
+
+
 def prepare_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_PREPARE_BOUND_S``: seconds a move may stay preparing before the source aborts it (§7.11, the §13
     prepare budget); unset keeps the profile's. Anything else is refused with the reason."""
-    if text is None or not text.strip():
+    bound = seconds_setting("HOSTMOVE_PREPARE_BOUND_S", text)
+    if bound is None:
         return timing
-    try:
-        bound = float(text)
-    except ValueError:
-        bound = -1.0
-    if not 0 < bound < float("inf"):
-        raise ValueError(f"HOSTMOVE_PREPARE_BOUND_S must be a positive number of seconds, not {text!r}")
     move = replace(timing.move, source=replace(timing.move.source, prepare_bound_s=bound))
     return replace(timing, move=move)
 
@@ -207,15 +213,10 @@ def cut_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_CUT_WINDOW_S``: the operator's cut window (§7.3 T11 "fits the operator's cut window (default
     120 s)", the M2 promise): the source's cut deadline and T11's window both take it, so T11 never admits a cut the
     deadline then rolls back. Unset keeps the profile's; anything else is refused with the reason."""
-    if text is None or not text.strip():
+    budget = timing.move.source.open_budget_s
+    window = seconds_setting("HOSTMOVE_CUT_WINDOW_S", text, above=budget, above_what=f"the open budget ({budget:g} s)")
+    if window is None:
         return timing
-    try:
-        window = float(text)
-    except ValueError:
-        window = -1.0
-    if not timing.move.source.open_budget_s < window < float("inf"):
-        raise ValueError(f"HOSTMOVE_CUT_WINDOW_S must be a number of seconds above the open budget "
-                         f"({timing.move.source.open_budget_s:g} s), not {text!r}")
     move = replace(timing.move, source=replace(timing.move.source, cut_window_s=window))
     return replace(timing, move=move, budget=replace(timing.budget, window_s=window))
 
@@ -223,29 +224,17 @@ def cut_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
 def scan_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_SCAN_S``: the period of the backstop's look at the claims (issue 19
     item 2); unset keeps the profile's. Anything else is refused with the reason."""
-    if text is None or not text.strip():
-        return timing
-    try:
-        scan_s = float(text)
-    except ValueError:
-        scan_s = -1.0
-    if not 0 < scan_s < float("inf"):
-        raise ValueError(f"HOSTMOVE_SCAN_S must be a positive number of seconds, not {text!r}")
-    return replace(timing, scan_s=scan_s)
+    scan_s = seconds_setting("HOSTMOVE_SCAN_S", text)
+    return timing if scan_s is None else replace(timing, scan_s=scan_s)
 
 
 def probe_window_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_PROBE_WINDOW_S``: the landing probe's window (§7.3 "the app must answer within the probe window"):
     the probe's deadline and what T11 prices both take it. Unset keeps the profile's; anything else is refused with
     the reason (a window T11 then finds too long for the cut window refuses the cut, as any budget does)."""
-    if text is None or not text.strip():
+    window = seconds_setting("HOSTMOVE_PROBE_WINDOW_S", text)
+    if window is None:
         return timing
-    try:
-        window = float(text)
-    except ValueError:
-        window = -1.0
-    if not 0 < window < float("inf"):
-        raise ValueError(f"HOSTMOVE_PROBE_WINDOW_S must be a positive number of seconds, not {text!r}")
     return replace(timing, probe=replace(timing.probe, window_s=window),
                    budget=replace(timing.budget, probe_window_s=window))
 
