@@ -12,9 +12,12 @@ source again with the lost box's session declared ``writes_lost`` and nothing el
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,17 @@ async def etags(w: AgentWorld, host: str) -> tuple[str | None, str | None]:
     return (await w.ledger.read_claim(host)).etag, (await w.ledger.read_record(host)).etag
 
 
+@contextmanager
+def paused(agent: ServiceProc) -> Iterator[None]:
+    """The agent's process stopped (SIGSTOP) for the block, so nothing but the call under test writes the host."""
+    assert agent.proc is not None and agent.alive()
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+
+
 async def cli(stack: StackInfo, w: AgentWorld, door_url: str, *argv: str) -> subprocess.CompletedProcess[str]:
     env = service_env(stack, root=w.root, bucket=w.deploy, extra={
         "HOSTMOVE_DATA_BUCKET_PREFIX": w.prefix, "HOSTMOVE_CREDENTIALS": stack.credentials,
@@ -95,12 +109,15 @@ async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves
         await server.start_server()
         url = str(server.make_url("")).rstrip("/")
         try:
-            # a box the platform never stopped is refused by the CLI itself: nothing is sent, nothing changes
-            before = await etags(w, host)
-            running = await cli(stack, w, url, "move", "resolve", "--host", host, "--declare-lost", uk, "--yes")
-            assert running.returncode == 5, running
-            assert "cannot be declared lost" in running.stderr and "hostmove box stop --label" in running.stderr
-            assert await etags(w, host) == before
+            # a box the platform never stopped is refused by the CLI itself: nothing is sent, nothing changes (the
+            # source's agent is paused meanwhile: its landing deadline may pass on a loaded machine, and its own
+            # rollback CAS is not what this checks)
+            with paused(w.agents["ie"]):
+                before = await etags(w, host)
+                running = await cli(stack, w, url, "move", "resolve", "--host", host, "--declare-lost", uk, "--yes")
+                assert running.returncode == 5, running
+                assert "cannot be declared lost" in running.stderr and "hostmove box stop --label" in running.stderr
+                assert await etags(w, host) == before
 
             stopped = await cli(stack, w, url, "box", "stop", "--label", uk)
             assert stopped.returncode == 0 and f"box {uk} is stopped" in stopped.stdout, stopped
@@ -109,10 +126,11 @@ async def test_a_target_gone_after_the_flip_is_declared_lost_and_the_host_serves
             op = Identity("alice", "operator")
             for box, status, copy in ((ie, "stopped", "M-R71"), ("nobody-9", "stopped", "M-R70"),
                                       (uk, "running", "M-R75")):
-                before = await etags(w, host)
-                answer = await declare_lost(door, host, DeclareLost(box, status, "test", confirmed=True), op)
-                assert answer.status == 409 and answer.body["copy"] == copy, answer.body
-                assert await etags(w, host) == before
+                with paused(w.agents["ie"]):
+                    before = await etags(w, host)
+                    answer = await declare_lost(door, host, DeclareLost(box, status, "test", confirmed=True), op)
+                    assert answer.status == 409 and answer.body["copy"] == copy, answer.body
+                    assert await etags(w, host) == before
                 assert not isinstance(await store.get(w.deploy, loss_key(host, move_id, box)), Got)
             unconfirmed = await declare_lost(door, host, DeclareLost(uk, "stopped", "test", confirmed=False), op)
             record = (await w.ledger.read_record(host)).state

@@ -67,7 +67,7 @@ async def test_a_lost_box_that_comes_back_is_quarantined_then_readmitted_and_cho
         answer = await declare_lost(door, host, DeclareLost(uk, "stopped", "the platform stopped it", True),
                                     Identity("alice", "operator"))
         assert answer.status == 200, answer.body
-        await closed_on_ie(w, host, move_id, "rolled_back")
+        await closed_on_ie(w, host, move_id, "rolled_back", lost_region_park=True)
 
         uk_dir = w.box_dir("uk")
         db = instance_dir(uk_dir / "data", host) / f"{host}.db"
@@ -103,8 +103,18 @@ async def test_a_lost_box_that_comes_back_is_quarantined_then_readmitted_and_cho
         claim = (await w.ledger.read_claim(host)).state
         assert claim is not None and claim.lost == ()
 
-        again = await request_move(w, host)  # chosen again: the host moves to the readmitted box
+        async def accepted() -> str | None:
+            """Chosen again, once the readmitted box has run the lost region's park it adopts (M-R27 until then)."""
+            answer = await door.request_move(host, MoveRequest("uk", "auto"), Identity("alice", "operator"))
+            if answer.status == 409 and answer.body["copy"] == "M-R27":
+                return None
+            assert answer.status in (200, 201), answer.body
+            return str(answer.body["move"]["id"])
+
+        again = await eventually(accepted, "a move to the readmitted box", 120, every_s=1.0)
         await moved(w, host, again)
+        claim = (await w.ledger.read_claim(host)).state
+        assert claim is not None and not any(o.op == f"lost:{move_id}" for o in claim.obligations)
 
 
 def test_readmission_waits_for_the_quarantine_and_never_readmits_a_terminated_enrollment() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
@@ -56,8 +55,6 @@ def _op_id(state: Claim | Record) -> str | None:
 S = TypeVar("S", Claim, Record)
 
 STALE_READS = 5
-WRITTEN_KEPT = 4096
-"""How many objects' last own writes a ledger keeps to CAS on without a GET (the rest are read fresh)."""
 """How many times a read found stale by the stream is retried before it counts as a defect."""
 
 META_EVENT = "hm-event"
@@ -203,11 +200,6 @@ class Ledger:
         # is a GET); only the decoding of bytes already decoded is skipped: the same bytes and metadata give the same
         # frozen value, and anything else is validated from scratch.
         self._decoded: dict[tuple[str, str], tuple[bytes, str | None, str | None, Any, EventMeta | None]] = {}
-        # (obj, host) -> what this writer's own last committed and published transition wrote, with its ETag: the
-        # next transition of the object decides on it and CASes on that ETag without a GET first. The CAS is the
-        # proof: if it wins, the object was exactly that at the PUT (as fresh as a read just before it); if it
-        # loses, the transition reads fresh and decides again. A NoChange or Refusal is never answered from it.
-        self._written: OrderedDict[tuple[str, str], Current[Any]] = OrderedDict()
 
     def _fault(self, point: str) -> None:
         if self.faults is not None:
@@ -278,9 +270,7 @@ class Ledger:
         attempts: int = 3,
     ) -> Outcome[S]:
         """Fresh read, pure decide, CAS, publish. A lost CAS re-reads and re-decides up to
-        ``attempts`` times, then answers :class:`Conflict`. After this writer's own committed transition of the
-        object, the next one first decides on what it wrote and CASes on its ETag with no GET (a won CAS proves it
-        current; anything else reads fresh), so a transition costs one CAS and one acked publish (issue 19 item 8)."""
+        ``attempts`` times, then answers :class:`Conflict`."""
         validate_host(host)
         meta_name = validate_ident(name, "transition name")
         if len(meta_name) > MAX_NAME_CHARS or len(causation) > MAX_CAUSATION_CHARS:
@@ -289,28 +279,20 @@ class Ledger:
         lost: Conflict = Conflict(None)
         stale = 0
         tries = max(attempts, 1)
-        written = self._written.pop((obj, host), None) if rules.on("ledger-cas") else None
-        tries += written is not None  # deciding on what it wrote is an extra try, never one of the fresh ones
         for attempt in range(tries):
-            cur = written if written is not None else await self.read(obj, host)
+            cur = await self.read(obj, host)
             try:
                 if rules.on("publish-before-supersede"):
                     prev_seq = await self.ensure_published(obj, host, cur)
                 else:
                     prev_seq = self._published.get(ledger_subject(obj, host), (0, 0))[1]
             except _StreamAhead as exc:
-                if written is not None:  # another writer's event is on the stream: what this one wrote is old
-                    written = None
-                    continue
                 stale += 1
                 if stale > STALE_READS:
                     raise LedgerDefect(str(exc)) from None
                 metrics.LEDGER_RETRIES.labels(object=obj, reason="stale_read").inc()
                 continue  # a writer committed between our two reads: read again
             decision = decide(cur.state)  # type: ignore[arg-type]
-            if written is not None and isinstance(decision, NoChange | Refusal):
-                written = None  # only a won CAS proves what this writer wrote is current: decide on a fresh read
-                continue
             if isinstance(decision, NoChange | Refusal):
                 outcome = "refused" if isinstance(decision, Refusal) else "no_change"
                 metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome=outcome).inc()
@@ -323,7 +305,7 @@ class Ledger:
             if len(body) > MAX_OBJECT_BYTES:
                 raise DurableValueError("invalid_value", "max_bytes", f"the {obj} of {host} would be {len(body)} "
                                         f"bytes; at most {MAX_OBJECT_BYTES}")
-            written_state = decode(body, cls)  # what is written passes exactly the check it will meet on read
+            decode(body, cls)  # what is written passes exactly the check it will meet on read
             meta = EventMeta(name=meta_name, actor=self.actor, at=self.clock.now_ms(), causation=causation)
             metadata = {META_EVENT: _b64(canonical(meta)), META_SHA: hashlib.sha256(body).hexdigest()}
             self._fault(f"before_cas:{obj}:{meta_name}")
@@ -335,11 +317,6 @@ class Ledger:
                 if_none_match=cur.etag is None and rules.on("ledger-cas"),
                 metadata=metadata,
             )
-            if isinstance(put, Lost) and written is not None:
-                written = None  # the object moved on since this writer wrote it: read it and decide again
-                metrics.LEDGER_CAS_CONFLICTS.labels(object=obj).inc()
-                metrics.LEDGER_RETRIES.labels(object=obj, reason="conflict").inc()
-                continue
             if isinstance(put, Lost):
                 lost = Conflict(put.current_etag)
                 metrics.LEDGER_CAS_CONFLICTS.labels(object=obj).inc()
@@ -356,17 +333,9 @@ class Ledger:
                 await self.movelog.note(cur.state, new, meta)
             self._fault("after_publish")
             self._fault(f"after_publish:{obj}:{meta_name}")
-            if put.etag:
-                self._remember_written(obj, host, Current(written_state, put.etag, put.version_id, meta, body))
             return Committed(new, put.etag, put.version_id, seq)  # type: ignore[arg-type]
         metrics.LEDGER_TRANSITIONS.labels(object=obj, outcome="conflict").inc()
         return lost
-
-    def _remember_written(self, obj: ObjectKind, host: str, cur: Current[Any]) -> None:
-        self._written[(obj, host)] = cur
-        self._written.move_to_end((obj, host))
-        while len(self._written) > WRITTEN_KEPT:
-            self._written.popitem(last=False)
 
     async def _publish_after_cas(
         self, obj: ObjectKind, host: str, state: Claim | Record, meta: EventMeta, prev_seq: int
