@@ -62,6 +62,8 @@ def occurrences(log: Path) -> list[tuple[str, int]]:
 
 
 GENERIC = frozenset({"after_cas", "after_publish"})  # repeated by the ledger's named points
+RACED = ("claim:release", "claim:move-follow")
+"""Claim halves that follow the record and are written by whichever participant reads it first (§7.5)."""
 
 
 def named(points: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -204,8 +206,12 @@ async def test_a_sigkill_at_each_failpoint_converges(stack: StackInfo, unique: C
     # A counted point can fall elsewhere in a run paced differently (the n-th preparing round), and a claim half or a
     # release can be written by the other participant first (§7.5): a few points are not reached in a given run.
     # Every case that reached its point converged above; most points must be reached.
+    # The raced halves (the release and the flip's claim half) are not counted: with concurrent passes either
+    # participant writes them first about as often, so both boxes' points of one can go unreached in a run.
     allowed = max(1, len(cases) // 20)
-    assert len(killed) >= len(cases) - allowed, ("failpoints not reached", set(cases) - set(killed))
+    missed = set(cases) - set(killed)
+    counted = {c for c in missed if not c[1].endswith(RACED)}
+    assert len(counted) <= allowed, ("failpoints not reached", missed)
 
 
 # -- the dirty rollback (issue 13): the return lane and the source's install ------------------------------------
