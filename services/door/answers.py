@@ -13,8 +13,8 @@ from typing import Any
 from bus.log import LogError, LogUnavailable
 from events.base import DurableValueError
 from events.copy import say
-from services.door.decide import DoorRefusal
-from services.ledger.ledger import LedgerDefect, Refusal
+from services.door.decide import DoorRefusal, refuse
+from services.ledger.ledger import Conflict, LedgerDefect, Refusal
 from services.objstore.port import StoreError, StoreUnavailable
 
 
@@ -73,4 +73,15 @@ def refusal_answer(r: DoorRefusal | Refusal) -> Answer:
     return Answer(status, {"error": code, "reason": r.reason, "copy": copy})
 
 
-__all__ = ["RETRY_AFTER_S", "Answer", "Unreadable", "reading", "refusal_answer", "unavailable_answer"]
+def refused_transition(out: object, host: str) -> Answer | None:
+    """The answer to a ledger transition that did not change the object: its refusal, or M-R17 when it lost every
+    CAS (:class:`~services.ledger.ledger.Conflict`); None when it committed or found nothing to change."""
+    if isinstance(out, Refusal):
+        return refusal_answer(out)
+    if isinstance(out, Conflict):
+        return refusal_answer(refuse(409, "M-R17", host=host))
+    return None
+
+
+__all__ = ["RETRY_AFTER_S", "Answer", "Unreadable", "reading", "refusal_answer", "refused_transition",
+           "unavailable_answer"]

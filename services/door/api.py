@@ -58,6 +58,7 @@ from services.door.answers import (
     Unreadable,
     reading,
     refusal_answer,
+    refused_transition,
     unavailable_answer,
 )
 from services.door.auth import Identity, TokenSet
@@ -267,10 +268,8 @@ class Door:
         with reading(f"The record of {host}"):
             out = await self.ledger.transition("record", host, "move-retry", decide,
                                                causation=f"door: operator {who.label}")
-        if isinstance(out, Refusal):
-            return refusal_answer(out)
-        if isinstance(out, Conflict):
-            return refusal_answer(refuse(409, "M-R17", host=host))
+        if (refused := refused_transition(out, host)) is not None:
+            return refused
         record = out.state if isinstance(out, Committed) else await self.record(host)
         move = record.move if record is not None else None
         log.warning("resolve --retry of %s: move %s back to %s (operator %s)", host, move.id if move else "-",
@@ -303,10 +302,8 @@ class Door:
         with reading(f"The claim of {host}"):
             out = await self.ledger.transition("claim", host, "clear-failed", decide,
                                                causation=f"door: operator {who.label}")
-        if isinstance(out, Refusal):
-            return refusal_answer(out)
-        if isinstance(out, Conflict):
-            return refusal_answer(refuse(409, "M-R17", host=host))
+        if (refused := refused_transition(out, host)) is not None:
+            return refused
         log.warning("clear-failed of %s on %s requested (operator %s)", host, claim.op.exec, who.label,
                     extra=ctx(host=host, box=claim.op.exec, phase="clear-failed", operator=who.label))
         after = out.state if isinstance(out, Committed) else await self.claim(host)

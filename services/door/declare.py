@@ -24,10 +24,10 @@ from kernel.logctx import ctx
 from kernel.ports import Clock
 from kernel.timetext import utc_text
 from services.box.roster import Roster
-from services.door.answers import Answer, reading, refusal_answer
+from services.door.answers import Answer, reading, refusal_answer, refused_transition
 from services.door.auth import Identity
 from services.door.decide import DoorRefusal, _object, echo, refuse, status_view
-from services.ledger.ledger import Committed, Conflict, Ledger, NoChange, Refusal
+from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.lost import (
     LossDeclaration,
     NotLegal,
@@ -161,10 +161,8 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
         with reading(f"The record of {host}"):
             out = await door.ledger.transition("record", host, "move-declared-lost", decide_record,
                                                causation=f"door: operator {who.label}")
-        if isinstance(out, Refusal):
-            return refusal_answer(out)
-        if isinstance(out, Conflict):
-            return refusal_answer(refuse(409, "M-R17", host=host))
+        if (refused := refused_transition(out, host)) is not None:
+            return refused
     record = await door.record(host)
 
     def decide_claim(cur: Claim | None) -> Claim | NoChange | Refusal:
@@ -179,10 +177,8 @@ async def declare_lost(door: Door, host: str, req: DeclareLost, who: Identity) -
     with reading(f"The claim of {host}"):
         half = await door.ledger.transition("claim", host, "box-declared-lost", decide_claim,
                                             causation=f"door: operator {who.label}")
-    if isinstance(half, Refusal):
-        return refusal_answer(half)
-    if isinstance(half, Conflict):
-        return refusal_answer(refuse(409, "M-R17", host=host))
+    if (refused := refused_transition(half, host)) is not None:
+        return refused
     await publish_alert(door.ledger.events, Fact(
         kind="box-declared-lost", subject=host, id=f"{move.id}:{decl.box}", actor=door.ledger.actor,
         at=door.clock.now_ms(), payload={"box": decl.box, "move": move.id, "kind": decl.kind, "declaration": key,
