@@ -95,7 +95,6 @@ from sim.world import DEPLOY, EXPECTED, ActorBase, ConsoleActor, PlanRandom, Slo
 
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
-LEDGER_EVENTS = "hm.ledger.>"
 IDLE_S = 240.0
 """An instance idle this long sleeps (issue 5 item 4): shorter than the timers' period, so every host sleeps between
 its writes and between its timer runs, and each due time wakes it again (its run is a commit: activity)."""
@@ -232,12 +231,11 @@ class MoveBox(ActorBase):
                                      faults=world.failpoints(label), app=SIM_APP,
                                      rates=PlanRates.of(world.plan, MOVE_REGIONS).rates)
         self.agent.activator.policy = StartPolicy(sync_interval_s=AGENT_TIMING.sync_interval_s)
-        self.durable = f"agent-{label}"
         self.due: dict[str, float] = {}
         self.spins: dict[str, int] = {}  # host -> consecutive passes that spun
         self.pool: PassPool | None = None
-        self.kick = asyncio.Event()
-        """The loop's wake: a delivery or a pass ended (a demand is taken with the next, as the loop always did)."""
+        self.kick = self.agent.wakeup
+        """The loop's wake, the agent's own (``BoxAgent.wakeup``): a notice, a demand, or a pass ended."""
 
     @property  # type: ignore[override]
     def idle(self) -> bool:
@@ -276,14 +274,13 @@ class MoveBox(ActorBase):
             await self.retrying("quarantine", quarantine)
         await self.retrying("adopt", adopt)
         self.spawn(self.timers(), "timers")
-        await self.retrying("consumer", lambda: self.events.add_consumer(
-            LEDGER_STREAM, self.durable, filter_subject=LEDGER_EVENTS, ack_wait_s=self.world.timing.ack_wait_s,
-            max_deliver=self.world.timing.max_deliver))
-        self.spawn(self.consume(), "consumer")
+        self.spawn(self.agent.consume(asyncio.Event()), "consumer")  # BoxAgent.run's: the box's work notices
         agent, loop = self.agent, self.world.loop
         pool = self.pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
                                     spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
-        next_scan = loop.time()
+        for host in sorted(agent.instances):  # BoxAgent._loop's start: its instances now, the scan after scan_s
+            agent.notify(host)
+        next_scan = loop.time() + AGENT_TIMING.scan_s
         while True:
             now = loop.time()
             if now >= next_scan:
@@ -304,24 +301,6 @@ class MoveBox(ActorBase):
                 await asyncio.wait_for(self.kick.wait(), max(until - loop.time(), 0.001))
             self.idle = False
 
-    async def consume(self) -> None:
-        """The durable consumer: every ledger event marks its host dirty (``BoxAgent.wake_on``'s part)."""
-        while True:
-            try:
-                deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
-                                                     timeout=AGENT_TIMING.scan_s)
-            except EXPECTED as exc:
-                self.emit(f"fetch failed: {type(exc).__name__}")
-                await asyncio.sleep(AGENT_TIMING.retry_s)
-                continue
-            for d in deliveries:
-                with contextlib.suppress(SubjectError):
-                    self.agent.notify(parse_ledger_subject(d.msg.subject)[1])
-                with contextlib.suppress(*EXPECTED):
-                    await d.ack()
-            if deliveries:
-                self.kick.set()
-
     async def timers(self) -> None:
         """``BoxAgent.run``'s timer loop: deliver what is due every tick (§9.4)."""
         while True:
@@ -336,8 +315,10 @@ class MoveBox(ActorBase):
 
     async def pass_host(self, host: str) -> None:
         self.busy += 1
+        taken, ok = self.agent.take_notices(host), False  # BoxAgent.pass_one's: acknowledged when it ends well
         try:
             result = await self.agent.pass_host(host)
+            ok = True
         except Crash:
             raise
         except Exception as exc:  # noqa: BLE001 - as BoxAgent.run: logged, retried (a pass is idempotent)
@@ -346,10 +327,12 @@ class MoveBox(ActorBase):
                 self.world.checker.flag("actor-error", f"{self.label}: pass of {host}: {type(exc).__name__}: {text}")
             self.emit(f"pass of {host} failed: {type(exc).__name__}: {text}")
             self.due[host] = self.world.loop.time() + AGENT_TIMING.retry_s
+            await self.agent.settle_notices(host, taken, ok)
             return
         finally:
             self.busy -= 1
             self.kick.set()  # the loop starts what waited for this pass
+        await self.agent.settle_notices(host, taken, ok)
         for line in result.did:
             self.emit(f"{host} {line}")
         self.mworld.idle_stops += sum("asleep until" in line for line in result.did)

@@ -31,7 +31,7 @@ from urllib.parse import quote
 import msgspec
 
 from bus.log import EventLog, LogError, LogUnavailable, StoredMessage, WrongLastSequence
-from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
+from bus.subjects import LEDGER_STREAM, WORK_STREAM, SubjectError, ledger_msg_id, ledger_subject, work_subject
 from events.base import canonical, decode, validate_ident
 from events.claim import Claim
 from events.durable import DurableValueError
@@ -41,6 +41,7 @@ from kernel import metrics, rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.ledger.movelog import MoveLog
+from services.ledger.notices import boxes_concerned
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")
@@ -329,6 +330,7 @@ class Ledger:
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
+            await self._notify_boxes(host, cur.state, new)  # type: ignore[arg-type]
             if self.movelog is not None:  # §13: the transition's writer logs it
                 await self.movelog.note(cur.state, new, meta)
             self._fault("after_publish")
@@ -347,6 +349,16 @@ class Ledger:
             log.warning("event for %s %s gen %d not published yet: %s", obj, host, state.gen, exc,
                         extra=ctx(host=host, op_id=_op_id(state), phase="publish", reason=exc, obj=obj, gen=state.gen))
             return None
+
+    async def _notify_boxes(self, host: str, prev: Claim | Record | None, new: Claim | Record) -> None:
+        """A work notice to each box the transition concerns (:mod:`services.ledger.notices`): fire and forget, a
+        lost one is the reconciliation scan's (issue 19 items 1, 2)."""
+        for box in boxes_concerned(prev, new):
+            try:
+                await self.events.notice(WORK_STREAM, work_subject(box, host))
+            except (LogError, SubjectError) as exc:
+                log.info("work notice of %s to %s not sent: %s", host, box, exc,
+                         extra=ctx(host=host, box=box, phase="notice", reason=exc))
 
     # -- publishing -------------------------------------------------------------------------------
 
