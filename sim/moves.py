@@ -278,7 +278,7 @@ class MoveBox(ActorBase):
         agent, loop = self.agent, self.world.loop
         pool = self.pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
                                     spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
-        for host in sorted(agent.instances):  # BoxAgent._loop's start: its instances now, the scan after scan_s
+        for host in sorted(set(agent.instances) | {r.host for r in agent.registry.rows()}):  # BoxAgent._loop's start
             agent.notify(host)
         next_scan = loop.time() + AGENT_TIMING.scan_s
         while True:

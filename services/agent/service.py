@@ -8,8 +8,8 @@ moves landing on it. It keeps nothing that matters in memory:
   notices the ledger sends this box (:mod:`services.ledger.notices`: one per transition naming it), each marking
   its host dirty and acknowledged once a pass of that host has ended well, so a notice sent while the agent was
   down, or taken by an agent that died before its pass, wakes the next agent (:meth:`BoxAgent.consume`). A scan of
-  the claims every ``scan_s`` (``HOSTMOVE_SCAN_S``; the first one ``scan_s`` after the start, the box's own
-  instances passed at once) marks every host whose claim names this box (``op.exec`` or a participant), so a
+  the claims every ``scan_s`` (``HOSTMOVE_SCAN_S``; the first one ``scan_s`` after the start, the hosts the box
+  holds locally passed at once) marks every host whose claim names this box (``op.exec`` or a participant), so a
   lost notice or a deadline is picked up without one. A step that must wait (a
   park's horizon, a preparing round's pace) schedules its own wake.
 - **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
@@ -940,9 +940,10 @@ class BoxAgent:
             await pool.cancel()
 
     async def _loop(self, stop: asyncio.Event, pool: PassPool) -> None:
-        # The box's own instances at once; everything else its notices bring, the scan only after scan_s (a
-        # restart needs no scan: its consumer resumes from its acknowledgement floor, issue 19 item 1).
-        self._dirty |= set(self.instances)
+        # What the box holds locally at once (its instances and its route rows: a host it served before a restart);
+        # everything else its notices bring, the scan only after scan_s (a restart needs no scan: its consumer
+        # resumes from its acknowledgement floor, issue 19 item 1).
+        self._dirty |= set(self.instances) | {row.host for row in self.registry.rows()}
         next_scan = self.clock.monotonic() + self.timing.scan_s
         while not stop.is_set():
             now = self.clock.monotonic()
