@@ -197,6 +197,8 @@ class Ledger:
         # subject -> (gen, seq) of the newest event this process saw on the stream. A hint only:
         # every publish is conditional on it, so a stale hint costs a retry, never a gap.
         self._published: dict[str, tuple[int, int]] = {}
+        self._claims_seen: dict[str, Claim] = {}  # the newest claim of each host this process read or wrote: the
+        # boxes a record's transition concerns (a record writer revalidates against the claim first, K5)
         # (obj, host) -> the bytes and metadata last read and what they validated to. Reads stay fresh (every read
         # is a GET); only the decoding of bytes already decoded is skipped: the same bytes and metadata give the same
         # frozen value, and anything else is validated from scratch.
@@ -222,9 +224,13 @@ class Ledger:
             sha, raw_meta = got.metadata.get(META_SHA), got.metadata.get(META_EVENT)
             seen = self._decoded.get((obj, host))
             if seen is not None and seen[0] == got.body and seen[1] == sha and seen[2] == raw_meta:
+                if obj == "claim":
+                    self._claims_seen[host] = seen[3]
                 return Current(seen[3], got.etag, got.version_id, seen[4], got.body)
             state, meta = self._validate(obj, host, got), self._meta(got)
             self._decoded[(obj, host)] = (got.body, sha, raw_meta, state, meta)
+            if obj == "claim":
+                self._claims_seen[host] = state
             return Current(state, got.etag, got.version_id, meta, got.body)
         except DurableValueError as exc:
             raise BadObject(exc, obj=obj, host=host, key=key, etag=got.etag, size=len(got.body)) from None
@@ -330,6 +336,8 @@ class Ledger:
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
+            if isinstance(new, Claim):
+                self._claims_seen[host] = new
             await self._notify_boxes(host, cur.state, new)  # type: ignore[arg-type]
             if self.movelog is not None:  # §13: the transition's writer logs it
                 await self.movelog.note(cur.state, new, meta)
@@ -353,7 +361,8 @@ class Ledger:
     async def _notify_boxes(self, host: str, prev: Claim | Record | None, new: Claim | Record) -> None:
         """A work notice to each box the transition concerns (:mod:`services.ledger.notices`): fire and forget, a
         lost one is the reconciliation scan's (issue 19 items 1, 2)."""
-        for box in boxes_concerned(prev, new):
+        claim = self._claims_seen.get(host) if isinstance(new, Record) else None
+        for box in boxes_concerned(prev, new, claim):
             try:
                 await self.events.notice(WORK_STREAM, work_subject(box, host))
             except (LogError, SubjectError) as exc:
