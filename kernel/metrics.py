@@ -39,8 +39,8 @@ from events.record import Move, Record
 from kernel import ports
 
 __all__ = [
-    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "delivered", "exposition", "move_observation",
-    "observe_record", "set_budget",
+    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "delivered", "exposition",
+    "move_observation", "observe_record", "set_budget",
 ]
 
 REGISTRY: Final = CollectorRegistry()
