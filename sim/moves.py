@@ -1053,8 +1053,12 @@ class MoveWorld(World):
         # Replication is asynchronous (§5.1): a write is acknowledged after its local commit and uploaded by the
         # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged
         # before it; the edge keeps writing, and its last writes are the serving form's alone.
+        # A host woken meanwhile (a write or a timer) is admitted into a fresh generation whose first upload may still
+        # be on its way: its cold form waits for the next run; its serving form is checked below.
+        before = {h: c.holder.generation for h, c in self.checker.claims.items() if c.holder is not None}
         await asyncio.sleep(2 * AGENT_TIMING.sync_interval_s)
-        await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s)  # the stronger form
+        await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s,  # the stronger form
+                              generations=before)
         self._inv2()  # first: the first violation ends the run
         if not self.checker.violations:
             await self._timers_run()
@@ -1212,7 +1216,7 @@ class MoveWorld(World):
             db = instance_dir(self.root / "boxes" / claim.op.exec / "data", plan.host) / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
 
-    async def _inv2_cold(self, *, uploaded_by: float) -> None:
+    async def _inv2_cold(self, *, uploaded_by: float, generations: dict[str, str]) -> None:
         """INV-2 on a cold restore from the bucket (issue 5 item 5): at quiescence the serving generation, restored
         with the production restore into a scratch file, holds every acknowledged write not declared lost; what a
         box served but never uploaded is lost with its disk, which is what this form catches. Replication is
@@ -1221,6 +1225,9 @@ class MoveWorld(World):
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None or claim.op.exec not in self.slots:
+                continue
+            if generations.get(plan.host) != claim.holder.generation:
+                self.trace.emit("checker", f"inv2-cold: {plan.host} admitted into {claim.holder.generation} during the wait")
                 continue
             region = claim.op.exec.rsplit("-", 1)[0]
             scratch = self.root / "inv2-cold" / f"{plan.host}.db"
