@@ -1227,7 +1227,7 @@ class MoveWorld(World):
             if claim is None or claim.holder is None or claim.op.exec not in self.slots:
                 continue
             if generations.get(plan.host) != claim.holder.generation:
-                self.trace.emit("checker", f"inv2-cold: {plan.host} admitted into {claim.holder.generation} during the wait")
+                self.trace.emit("checker", f"inv2-cold: {plan.host} admitted into {claim.holder.generation} meanwhile")
                 continue
             region = claim.op.exec.rsplit("-", 1)[0]
             scratch = self.root / "inv2-cold" / f"{plan.host}.db"
