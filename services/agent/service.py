@@ -714,9 +714,9 @@ class BoxAgent:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def scan(self) -> set[str]:
-        """Every host whose claim names this box (exec or participant); the others get the region's straggler
-        sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can be older than the
-        object (a store's listing lags its writes, as the simulation's does), and a claim kept from an older read
+        """Every host whose claim names this box (exec, participant or a chore's owner, K8); the others get the
+        region's straggler sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can
+        be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept from an older read
         missed a move naming this box until its prepare bound aborted it (move seed 44)."""
         keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
         hosts = set()
@@ -730,7 +730,8 @@ class BoxAgent:
                 await self.bad_objects.report(bad)
                 continue
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
-                                      or host in self.instances):
+                                      or host in self.instances
+                                      or any(o.owner == self.label for o in claim.obligations)):
                 hosts.add(host)
             elif claim is not None:
                 await self._sweep(host, claim)
