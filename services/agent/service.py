@@ -716,8 +716,8 @@ class BoxAgent:
     async def scan(self) -> set[str]:
         """Every host whose claim names this box (exec, participant or a chore's owner, K8); the others get the
         region's straggler sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can
-        be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept from an older read
-        missed a move naming this box until its prepare bound aborted it (move seed 44)."""
+        be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept
+        from an older read missed a move naming this box until its prepare bound aborted it (move seed 44)."""
         keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
         hosts = set()
         for key in keys:
