@@ -87,6 +87,7 @@ from services.box.instance.activator import (
     StartPolicy,
     StartRefused,
 )
+from services.box.instance.coverage import lost_owner_chores
 from services.box.instance.instances import Instances
 from services.box.instance.peer import answered_by_leaf
 from services.box.instance.proctree import ProcessTree
@@ -714,7 +715,8 @@ class BoxAgent:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def scan(self) -> set[str]:
-        """Every host whose claim names this box (exec, participant or a chore's owner, K8); the others get the
+        """Every host whose claim names this box (exec, participant or a chore's owner, K8, or a lost box's chore in
+        its region to adopt, §7.10); the others get the
         region's straggler sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can
         be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept
         from an older read missed a move naming this box until its prepare bound aborted it (move seed 44)."""
@@ -731,7 +733,8 @@ class BoxAgent:
                 continue
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
                                       or host in self.instances
-                                      or any(o.owner == self.label for o in claim.obligations)):
+                                      or any(o.owner == self.label for o in claim.obligations)
+                                      or bool(lost_owner_chores(claim, self.cfg.region))):
                 hosts.add(host)
             elif claim is not None:
                 await self._sweep(host, claim)
