@@ -80,6 +80,38 @@ def decide_readmit_claim(claim: Claim | None, label: str) -> Claim | NoChange | 
 
 
 @dataclass(frozen=True)
+class Readmission:
+    """What one ``hostmove box readmit`` did: the hosts whose ``lost`` list it left, and each refusal's reason."""
+
+    readmitted: tuple[str, ...]
+    refused: tuple[str, ...]
+
+
+async def readmit(ledger: Ledger, label: str) -> Readmission:
+    """``hostmove box readmit --label L``'s claim CASes (module docstring): every host whose claim lists ``label``
+    lost, each through :func:`decide_readmit_claim` (refused while the box has not retired its state of the host,
+    while an operation of the host names it, or for a fenced box). The caller checks the roster first."""
+    readmitted: list[str] = []
+    refused: list[str] = []
+    for key in await ledger.store.list_keys(ledger.bucket, CLAIMS_PREFIX):
+        if not key.endswith(".json"):
+            continue
+        host = unquote(key[len(CLAIMS_PREFIX):-5])
+        claim = (await ledger.read_claim(host)).state
+        if claim is None or not any(b.box == label for b in claim.lost):
+            continue
+        out = await ledger.transition("claim", host, "box-readmitted", lambda cur: decide_readmit_claim(cur, label),
+                                      causation="operator")
+        if isinstance(out, Committed):
+            readmitted.append(host)
+        elif isinstance(out, Refusal):
+            refused.append(out.reason)
+        else:
+            refused.append(f"{host} kept changing; run it again")
+    return Readmission(tuple(readmitted), tuple(refused))
+
+
+@dataclass(frozen=True)
 class Quarantined:
     """What the quarantine retired of one host: artifacts parked, whether a row went, how many timers."""
 
@@ -149,5 +181,5 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
     return done
 
 
-__all__ = ["QUARANTINE_OP", "Quarantined", "decide_readmit_claim", "decide_retired", "owes_quarantine", "quarantine",
-           "quarantine_on_start"]
+__all__ = ["QUARANTINE_OP", "Quarantined", "Readmission", "decide_readmit_claim", "decide_retired", "owes_quarantine",
+           "quarantine", "quarantine_on_start", "readmit"]
