@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 import msgspec
 
-from events.claim import Claim
+from events.claim import Claim, LostBox
 from kernel import rules
 from kernel.ports import Clock
 from services.box.fence import FENCES_PREFIX
@@ -121,17 +121,26 @@ class Quarantined:
     timers_deleted: int
 
 
+def quarantine_event(lost: LostBox) -> str:
+    """The retirement event of one declaration's quarantine (§6.4 "one destination per retirement event"): a box
+    readmitted, chosen again and declared lost again for the same host quarantines again, into a directory of its
+    own (``.parked/superseded-quarantine/quarantine-local-<declared at>/<host>/``); a replay of one quarantine
+    names the same."""
+    return f"quarantine-local-{lost.at or 0}"
+
+
 async def quarantine(*, box_dir: Path, host: str, stamps: StampBook, registry: Registry, timers: Timers,
-                     read_claim: Callable[[], Awaitable[Claim | None]], clock: Clock) -> Quarantined | None:
-    """Retire, under the host's guard, every local artifact of ``host`` (module docstring); None with the rule off
-    (the mutation: nothing is retired). Idempotent: a replay parks nothing new."""
+                     read_claim: Callable[[], Awaitable[Claim | None]], clock: Clock,
+                     event: str) -> Quarantined | None:
+    """Retire, under the host's guard, every local artifact of ``host`` (module docstring) as retirement ``event``
+    (:func:`quarantine_event`); None with the rule off (the mutation: nothing is retired). Idempotent: a replay
+    parks nothing new."""
     if not rules.on("lost-quarantine"):
         return None
     async with host_guard(box_dir, host, read_claim, clock=clock) as guarded:
         parked = 0
         for incarnation in stamps.incarnations(host):
-            parked += len(stamps.retire_installation(guarded, incarnation, op=QUARANTINE_OP,
-                                                     event="quarantine-local"))
+            parked += len(stamps.retire_installation(guarded, incarnation, op=QUARANTINE_OP, event=event))
         return Quarantined(host, parked, registry.delete_retired(host), timers.delete_all(host))
 
 
@@ -155,18 +164,19 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
             continue
         host = unquote(key[len(CLAIMS_PREFIX):-5])
         try:
-            owed = owes_quarantine((await ledger.read_claim(host)).state, label)
+            claim = (await ledger.read_claim(host)).state
         except BadObject as bad:  # that host only (issue 14 item 6): the agent's scan alerts it once; never its own
             log.warning("box %s cannot read the claim of %s before anything else (%s); skipped", label, host, bad)
             continue
-        if not owed:
+        owed = next((b for b in claim.lost if b.box == label and b.retired_at is None), None) if claim else None
+        if owed is None:
             continue
 
         async def read_claim(host: str = host) -> Claim | None:
             return (await ledger.read_claim(host)).state
 
         retired = await quarantine(box_dir=box_dir, host=host, stamps=stamps, registry=registry, timers=timers,
-                                   read_claim=read_claim, clock=clock)
+                                   read_claim=read_claim, clock=clock, event=quarantine_event(owed))
         if retired is None:
             continue
         at = clock.now_ms()
@@ -182,4 +192,4 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
 
 
 __all__ = ["QUARANTINE_OP", "Quarantined", "Readmission", "decide_readmit_claim", "decide_retired", "owes_quarantine",
-           "quarantine", "quarantine_on_start", "readmit"]
+           "quarantine", "quarantine_event", "quarantine_on_start", "readmit"]
