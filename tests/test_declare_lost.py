@@ -7,6 +7,8 @@ through the platform (``hostmove box stop``: the ``local`` compute port), then d
 first, each with its sentence and nothing changed in S3; the unconfirmed request answers the M-C18 sentence and
 changes nothing; confirmed (``--yes``), the move rolls back clean citing the declaration, the host serves on the
 source again with the lost box's session declared ``writes_lost`` and nothing else missing, and it takes writes.
+A target that released dirty and died before its ``returned`` CAS is declared lost the same way: the declaration
+owes the return lane's park to the source, and the host moves on to a replacement box afterwards.
 """
 
 from __future__ import annotations
