@@ -60,7 +60,8 @@ crash-matrix: $(STAMP)
 	HOSTMOVE_CRASH_MATRIX=full $(BIN)/python -m pytest -q tests/test_crash_matrix.py
 
 # The rehearsals of spec §14.4 on the real stack, services as processes (`hostmove rehearse --scenario ...` runs one
-# on the embedded stack): a move, a clean and a dirty rollback, a stuck move retried. Several minutes.
+# on the embedded stack): a move, a clean and a dirty rollback, a stuck move retried, and §7.10's boxes that are
+# gone (declare-lost, fenced-target, fenced-target-committed, fenced-source). Several minutes each.
 rehearse: $(STAMP)
 	HOSTMOVE_REHEARSE=1 $(BIN)/python -m pytest -q tests/test_rehearse.py
 

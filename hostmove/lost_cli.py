@@ -188,17 +188,12 @@ async def box_readmit(args: argparse.Namespace) -> int:
     """``hostmove box readmit --label L`` (operator-only): the box off the ``lost`` list of every host it was declared
     lost for, each only once the box retired its local state of it (:func:`services.box.quarantine.
     decide_readmit_claim`). A fenced box is never readmitted."""
-    from urllib.parse import unquote
-
-    from services.box.quarantine import CLAIMS_PREFIX, decide_readmit_claim
+    from services.box.quarantine import readmit
     from services.box.roster import read_roster
-    from services.ledger.ledger import Committed, Refusal
 
     label = args.label
     settings = load_settings(Path(args.root))
     rt = await open_runtime(settings, "cli", probe=False)
-    readmitted: list[str] = []
-    refused: list[str] = []
     try:
         roster, _ = await read_roster(rt.store, settings.bucket)
         entry = roster.box(label) if roster is not None else None
@@ -209,23 +204,10 @@ async def box_readmit(args: argparse.Namespace) -> int:
             print(f"box {label} was not readmitted: it was fenced (its machine was terminated), and a terminated "
                   "enrollment is never readmitted; enroll a replacement under a new label", file=sys.stderr)
             return exitcodes.REFUSED
-        for key in await rt.store.list_keys(settings.bucket, CLAIMS_PREFIX):
-            if not key.endswith(".json"):
-                continue
-            host = unquote(key[len(CLAIMS_PREFIX):-5])
-            claim = (await rt.ledger.read_claim(host)).state
-            if claim is None or not any(b.box == label for b in claim.lost):
-                continue
-            out = await rt.ledger.transition("claim", host, "box-readmitted",
-                                             lambda cur: decide_readmit_claim(cur, label), causation="operator")
-            if isinstance(out, Committed):
-                readmitted.append(host)
-            elif isinstance(out, Refusal):
-                refused.append(out.reason)
-            else:
-                refused.append(f"{host} kept changing; run it again")
+        done = await readmit(rt.ledger, label)
     finally:
         await rt.close()
+    readmitted, refused = done.readmitted, done.refused
     for why in refused:
         print(f"box {label}: {why}", file=sys.stderr)
     if not readmitted and not refused:

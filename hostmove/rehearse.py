@@ -1,5 +1,5 @@
 """``hostmove rehearse --scenario move|clean-rollback|dirty-rollback|stuck-retry|declare-lost|fenced-target|
-fenced-source`` (spec §14.4; issue 13 item 6, issue 15 item 7).
+fenced-target-committed|fenced-source`` (spec §14.4; issue 13 item 6, issue 15 item 7).
 
 The rehearsal runs on the embedded stack as ``make demo`` does: the door, the recovery pass and one agent per box as
 their own processes, ``moveprobe`` published as an app release and writing throughout (a background row every
@@ -25,6 +25,10 @@ target region (``MOVEPROBE_FAIL_READY_IN``, before or after writing). It prints 
 | ``fenced-target``  | the same death; ``hostmove box fence           | ``rolled_back`` clean citing the fence, no  |
 |                    | --terminated`` and nothing else                | operator; a replacement box enrolls and     |
 |                    |                                                | sweeps its region                           |
+| ``fenced-target-`` | none: the target's agent dies right after its  | ``done`` with its open waived, citing the   |
+| ``committed``      | commit CAS (a failpoint), its instance writing | fence (§7.10 L14); the host pinned in uk,   |
+|                    | on; ``hostmove box fence --terminated`` and    | then relocated to a replacement box, the    |
+|                    | nothing else                                   | fenced session's writes declared lost       |
 | ``fenced-source``  | none: a manual move waits at ``ready``; the    | ``aborted``: converted to a relocation at   |
 |                    | source's machine is terminated and fenced      | pinning, waiting for a box in the source's  |
 |                    |                                                | one-box region; a replacement enrolls and   |
@@ -51,7 +55,7 @@ from typing import Final
 import aiohttp
 import msgspec
 
-from bus.subjects import LEDGER_STREAM, ledger_subject
+from bus.subjects import FACTS_STREAM, LEDGER_STREAM, alert_subject, ledger_subject
 from events.base import decode
 from events.copy import say
 from events.envelope import Transition
@@ -77,12 +81,15 @@ from services.box.roster import BoxInit, ensure_deployment, init_box
 from services.door.auth import token_digest
 from services.move.follow import host_segment
 
+COMMITTED: Final = "fenced-target-committed"
 SCENARIOS: Final = ("move", "clean-rollback", "dirty-rollback", "stuck-retry", "declare-lost", "fenced-target",
-                    "fenced-source")
+                    COMMITTED, "fenced-source")
 LOST: Final = ("declare-lost", "fenced-target")
 """The scenarios of §7.10 (issue 15 item 7): the target box is gone after its probe started."""
-DIES: Final = "after_effects:probing"
-"""Where the target's agent dies in a lost scenario (a failpoint, :mod:`kernel.failpoints`)."""
+DIES: Final = {"declare-lost": "after_effects:probing", "fenced-target": "after_effects:probing",
+               COMMITTED: "after_cas:record:commit"}
+"""Where the target's agent dies in a scenario of §7.10 (a failpoint, :mod:`kernel.failpoints`): after its probe
+started (before the record's commit), or right after its commit CAS."""
 APP: Final = {"MOVEPROBE_INTERVAL_S": "0.2", "MOVEPROBE_SCHEDULE_EVERY_S": "0.4", "MOVEPROBE_ONCE_AFTER_S": "4"}
 ONCE_AFTER_MS: Final = 4000
 WRITES: Final = 10
@@ -108,7 +115,7 @@ class Outcome:
         return {"move": ("done", False), "clean-rollback": ("rolled_back", False),
                 "dirty-rollback": ("rolled_back", False), "stuck-retry": ("rolled_back", True),
                 "declare-lost": ("rolled_back", False), "fenced-target": ("rolled_back", False),
-                "fenced-source": ("aborted", False)}[self.scenario]
+                COMMITTED: ("done", False), "fenced-source": ("aborted", False)}[self.scenario]
 
     @property
     def ok(self) -> bool:
@@ -216,7 +223,7 @@ async def rehearse(rt: Runtime, info: StackInfo, ie: BoxInit, uk: BoxInit, scena
              ServiceProc.serve("recovery", env, logs / "recovery.log")]
     procs += [ServiceProc.serve("box", env, logs / f"box-{b.label}.log", "--label", b.label) for b in (ie, uk)]
     for proc in procs:
-        proc.start({ENV: DIES} if scenario in LOST and proc.argv[-1] == uk.label else None)
+        proc.start({ENV: DIES[scenario]} if scenario in DIES and proc.argv[-1] == uk.label else None)
     out(f"   services up: door at {door_url}, recovery, the agents of {ie.label} and {uk.label} (logs in {logs}/)")
     switch_dir = Path(tempfile.mkdtemp(prefix="hostmove-switch-"))
     os.chmod(switch_dir, 0o755)  # the instance's user reads the switch (services.box.instance.sandbox)
@@ -261,6 +268,8 @@ async def _scenario(rt: Runtime, ie: BoxInit, uk: BoxInit, scenario: str, door_u
             out(f"   the fail switch is on ({switch} exists): {uk.region} and {ie.region} both fail readiness now")
         if scenario == "fenced-source":
             return await _fenced_source(rt, ie, uk, host, environ, agents, services_env, out)
+        if scenario == COMMITTED:
+            return await _fenced_committed(rt, ie, uk, host, environ, agents, services_env, out)
         out(f"   hostmove move --host {host} --to {uk.region}")
         args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=scenario not in LOST,
                                   until="closed", timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
@@ -454,6 +463,117 @@ async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, envir
     return Outcome(scenario, host, move_id, ended, False, [], shown)
 
 
+async def _fenced_committed(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, environ: dict[str, str],
+                            agents: dict[str, ServiceProc], services_env: Callable[[], dict[str, str]],
+                            out: Callable[[str], None]) -> Outcome:
+    """§7.10 L14, after the record's commit (:mod:`services.move.fenced_target`): the target's agent dies right after
+    its commit CAS, its instance writing on; the machine is terminated and fenced, and nothing else. The recovery
+    service closes the move without the target (``done``, its open waived, citing the fence), pins the host
+    (``relocating`` at ``pinning``, exec none) while uk has no live box; a replacement enrolls and the host is
+    relocated to it, the fenced session's writes since its last upload declared lost."""
+    from hostmove import lost_cli
+    from services.box.fence import read_fence
+
+    scenario = COMMITTED
+    out(f"   hostmove move --host {host} --to {uk.region} --no-wait")
+    args = argparse.Namespace(host=host, to=uk.region, manual_cut=False, wait=False, until="closed",
+                              timeout=MOVE_TIMEOUT_S, interval=0.5, move_action=None)
+    await move_cli.run(args, environ=environ)
+    agent = agents[uk.label]
+    await _until(lambda: True if not agent.alive() else None, f"the target {uk.label}'s agent to die", MOVE_TIMEOUT_S)
+    record = (await rt.ledger.read_record(host)).state
+    move = record.move if record is not None else None
+    move_id = move.id if move is not None else ""
+    if move is None or move.state != "committed":
+        return Outcome(scenario, host, move_id, "", False, why=f"{uk.label}'s agent died with the move "
+                       f"{move.state if move is not None else 'closed'}, not committed")
+    out(f"   {uk.label}'s agent died right after move {move_id}'s commit CAS; its instance writes on, never uploaded")
+    out(f"   hostmove box fence --label {uk.label} --terminated (the machine is terminated; no operator after)")
+    if await lost_cli.fence_terminated(rt, uk.label) != exitcodes.OK:
+        return Outcome(scenario, host, move_id, "", False, why=f"{uk.label} could not be fenced")
+    fenced = await read_fence(rt.store, rt.settings.bucket, uk.label)
+    if fenced is None:
+        return Outcome(scenario, host, move_id, "", False, why=f"{uk.label}'s fence record is missing")
+    ref = fenced[1]
+
+    async def pinned() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and (claim.op.kind, claim.op.phase) == ("relocating", "pinning") else None
+
+    await _until_async(pinned, "the move closed without its target and the host pinned", MOVE_TIMEOUT_S)
+    record = (await rt.ledger.read_record(host)).state
+    last_move = record.last_move if record is not None and record.move is None else None
+    ended = last_move.outcome if last_move is not None and last_move.id == move_id else ""
+    out(f"   the move ended {ended or 'not closed'} without {uk.label}; {say('M-C22', host=host, region=uk.region)}")
+    label = f"{uk.label}-r{rt.rng.token_bytes(2).hex()}"
+    box = await init_box(root=rt.settings.root, label=label, region=uk.region, store=rt.store,
+                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
+    replacement = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label",
+                                    label)
+    replacement.start()
+    agents[label] = replacement
+    out(f"   a replacement box {label} enrolls in {uk.region}")
+
+    async def serving() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
+
+    await _until_async(serving, f"{host} relocated to {label}", MOVE_TIMEOUT_S)
+    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
+    after = await asyncio.to_thread(post_write, port, f"written on {label}")
+    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    lane = f"moves/{host_segment(host)}/{move_id}/"
+
+    async def lane_swept() -> bool | None:  # the fenced target's staging park: uk's at-rest sweep (sweep-staging)
+        return True if not await rt.store.list_keys(region_bucket(uk.region), lane) else None
+
+    try:
+        await _until_async(lane_swept, f"{uk.region}'s sweep of the move's staging lane", 180)
+    except TimeoutError:
+        out(f"   {uk.region} still holds the move's staging lane (the check below says which)")
+    last = await last_move_state(rt.events, host, move_id)
+    lines = [t.line() for t in move_cli.timings(msgspec.to_builtins(last), WallClock().now_ms())] if (
+        last is not None) else ["the move's last state is not on the stream"]
+    root = rt.settings.root
+    shown = await checks(
+        events=rt.events, store=rt.store, host=host, port=port,
+        target_db=instance_dir(box.box_dir / "data", host) / f"{host}.db",
+        ack_logs=ack_logs(root / "acks", host, ie.label, {uk.region: uk.label, f"{uk.region}-r": label}),
+        left_bucket=region_bucket(ie.region), left_local=[instance_dir(ie.box_dir / "data", host) / f"{host}.db",
+                                                          instance_dir(ie.box_dir / "data", host) / host],
+        once_after_ms=ONCE_AFTER_MS, runner_deaths=1,  # the failpoint killed the target's agent mid-run
+        agent_logs=sorted((root / "logs").glob("box-*.log")))
+    waived = last is not None and last.target_fenced == ref.key and last.opened_at is None
+    shown.append(Check("the move closed without its target's open, citing the fence", waived,
+                       f"target_fenced {last.target_fenced or '-'}, opened_at {last.opened_at}" if last is not None
+                       else "no last state"))
+    cited = pinning = ""
+    async for m in rt.events.replay(LEDGER_STREAM, subject=ledger_subject("claim", host)):
+        t = decode(m.data, Transition)
+        if t.claim is None:
+            continue
+        op = t.claim.op
+        if not cited and op.id == move_id and op.journal.get(f"fence.{uk.label}") == ref.journal() and any(
+                b.box == uk.label for b in t.claim.lost):
+            cited = f"{t.meta.name}: fence.{uk.label} = {ref.key} (sha256 {ref.sha256[:12]}), {uk.label} on lost"
+        if not pinning and (op.kind, op.phase, op.exec) == ("relocating", "pinning", "none"):
+            pinning = f"{t.meta.name}: relocating/pinning, exec none, op {op.id}"
+    shown.append(Check("the claim cites the fence and puts the target on lost", bool(cited), cited or "no such CAS"))
+    shown.append(Check("the host was pinned in its region while it had no box", bool(pinning),
+                       pinning or "no such transition"))
+    claim = (await rt.ledger.read_claim(host)).state
+    admissions = claim.holder.admissions if claim is not None and claim.holder is not None else ()
+    lost = [a.writes_lost for a in admissions if a.box == label and a.writes_lost is not None]
+    shown.append(Check(f"the relocation declared {uk.label}'s session lost", bool(lost) and all(
+        w.box == uk.label for w in lost), "; ".join(
+        f"writes_lost {w.box} session {w.session} past TXID {w.remote_max_txid}" for w in lost) or "none"))
+    alerted = [m async for m in rt.events.replay(FACTS_STREAM, subject=alert_subject("fenced-target-after-commit"))
+               if host.encode() in m.data]
+    shown.append(Check("the operator was alerted once (fenced-target-after-commit)", len(alerted) == 1,
+                       f"{len(alerted)} alert(s)"))
+    return Outcome(scenario, host, move_id, ended, False, lines, shown)
+
+
 async def _until_async(check: Callable[[], Awaitable[bool | None]], what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -514,9 +634,13 @@ def report(shown: Outcome, say: Callable[[str], None]) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rh = subparsers.add_parser("rehearse", help="rehearse a move, a clean or dirty rollback, a stuck move retried, "
-                                               "or a target that is gone (§14.4, §7.10) on the embedded stack",
+                                               "a target that is gone before or after the commit, or a source "
+                                               "gone before the flip (§14.4, §7.10) on the embedded stack",
                                epilog=exitcodes.table_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    rh.add_argument("--scenario", required=True, choices=SCENARIOS)
+    rh.add_argument("--scenario", required=True, choices=SCENARIOS,
+                    help="declare-lost, fenced-target: the target gone after its probe started (before the commit); "
+                         "fenced-target-committed: the target fenced after the record's commit; fenced-source: the "
+                         "source fenced before the flip")
 
 
 __all__ = ["SCENARIOS", "Outcome", "add_parser", "rehearse", "release_env", "report", "run"]

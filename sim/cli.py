@@ -33,7 +33,8 @@ __all__ = ["main"]
 COMMANDS = ("gate", "sweep", "baseline", "witness", "moves", "rules")
 MOVE_COUNTERS = ("moves_done", "moves_aborted", "moves_rolled_back", "rollbacks_clean", "rollbacks_dirty", "reboots",
                  "disks_lost", "timer_deliveries", "timer_repeats", "idle_stops", "wake_requests", "terminations",
-                 "generations_retired", "targets_frozen", "declared_lost", "platform_stops")
+                 "generations_retired", "targets_frozen", "declared_lost", "platform_stops",
+                 "readmitted")
 
 
 def _rules_arg(text: str) -> tuple[str, ...]:

@@ -132,11 +132,10 @@ LIVELOCK_PASSES = 5
 """Consecutive passes of one host that each use every step and ask to run again at once: a livelock (INV-3, the
 calm phase cannot converge). A pass that waits schedules its wake later; a pass that progresses ends its steps."""
 OPERATOR = Identity("op", "operator")
-FREEZE_P = float(os.environ.get("HOSTMOVE_SIM_FREEZE_P", "0"))
-"""Of the landings whose probe runs, the share whose target freezes whole (its VM paused) and is declared lost.
-Off unless ``HOSTMOVE_SIM_FREEZE_P`` sets it (0.1 is the intended rate): at 0.1, move seed 29 of 0..29 ends with the
-lost target's location in uk never swept after uk-1 came back quarantined (INV-10, and its cold record uncovered:
-INV-3), an open finding (sim/README.md "Frozen targets"); the gate runs without it until that is fixed."""
+FREEZE_P = float(os.environ.get("HOSTMOVE_SIM_FREEZE_P", "0.1"))
+"""Of the landings whose probe runs, the share whose target freezes whole (its VM paused) and is declared lost
+(§7.10; issue 15), drawn from a stream of its own (:meth:`MoveWorld._maybe_freeze`). 0.1 in the gate;
+``HOSTMOVE_SIM_FREEZE_P=0`` switches it off (sim/README.md "Frozen targets")."""
 
 
 MOVE_REGIONS = ("ie", "uk", "us")
@@ -525,13 +524,14 @@ class MoveWorld(World):
         self.freezes = 0  # targets frozen whole mid-move (:meth:`_maybe_freeze`)
         self.freeze_seen: set[str] = set()
         self.freeze_rng = random.Random(f"freeze:{self.plan.seed}")
+        self.readmissions = 0  # the operator's readmissions of a quarantined box (:meth:`_readmit`), one per host
         self.reboots = 0
         self.net.on_timer = self._timer_delivered
         self.timer_runs: dict[tuple[str, str, int], list[tuple[str, float]]] = {}  # due -> (box, at) deliveries
         self.timer_last: dict[str, tuple[float, str]] = {}  # host -> (at, box) of its latest delivery
         self.timer_repeats = 0
         self.agent_deaths: dict[str, list[float]] = {}
-        self.residue_seen: dict[tuple[str, str], float] = {}
+        self.residue_seen: dict[tuple[str, str, str], float] = {}  # (host, region, prefix) -> first seen at rest
         self.disks_lost = 0
         self.provisioning: set[str] = set()
         self.idle_stops = 0
@@ -994,8 +994,37 @@ class MoveWorld(World):
         await asyncio.sleep(rng.uniform(600.0, 3600.0))
         if box in self.stopped:
             self.start_machine(box)
+            await self._readmit(box, rng)
         else:
             self.resume(box)
+
+    async def _readmit(self, box: str, rng: random.Random) -> None:
+        """The operator, told by the quarantine's warning, readmits the box it started again (§7.10 "A returning box
+        is quarantined", claim §7.2: only then can an operator readmit it): ``hostmove box readmit --label``'s own
+        claim CASes (:func:`services.box.quarantine.readmit`), refused while the box has not retired its state of a
+        host or an operation of the host names it, and asked again until no host lists it lost. Without it the one
+        box of its region stays ineligible for that host for good (a planned move there never requested: INV-3)."""
+        from services.box.quarantine import readmit
+
+        clock = self.actor_clock("operator")
+        store = self.s3.client(Principal("console", "operator"), clock, fates=NOMINAL)  # the operator's CLI
+        ledger = Ledger(store, SimEventLog(self.js, "operator"), clock,
+                        Actor(service="cli", pid=1, nonce="operator"), DEPLOY)
+        await asyncio.sleep(rng.uniform(300.0, 1800.0))
+        for _attempt in range(40):
+            if box in self.stopped:  # stopped again meanwhile (a later move froze it): that story readmits it
+                return
+            try:
+                done = await readmit(ledger, box)
+            except (*EXPECTED, Unreadable) as exc:
+                self.trace.emit("operator", f"readmit {box} failed: {type(exc).__name__}: {exc}")
+            else:
+                self.trace.emit("operator", f"readmit {box}: readmitted for {list(done.readmitted)}, refused "
+                                            f"{list(done.refused)}")
+                self.readmissions += len(done.readmitted)
+                if not done.refused:
+                    return
+            await asyncio.sleep(300.0)
 
     async def _watch_moves(self) -> None:
         while True:
@@ -1140,28 +1169,45 @@ class MoveWorld(World):
         return SleepMarks(self.root / "boxes" / claim.op.exec).asleep(host) and not self._runs(host, claim.op.exec)
 
     def _residue(self) -> list[str]:
-        """INV-10 for what lands late (§6.4 the straggler sweep): a host at rest has nothing current in its
-        location of a region it is not served in. The calm phase waits for the sweep to retire it; residue the calm
-        phase has seen for longer than :data:`RESIDUE_BOUND_S` is a violation (the sweep's bounded liveness)."""
+        """INV-10 for what lands late or what a lost box left (§6.4 the straggler sweep): a host at rest has nothing
+        current in its location of a region it is not served in, and no staging lane ``moves/<host>/<op>/`` in any
+        region (rule ``sweep-staging``: a lost target's forward lane is its region's at-rest sweep's, §7.10
+        ``left_in_region``, not its move's close). The calm phase waits for the sweep to retire it; residue the
+        calm phase has seen for longer than :data:`RESIDUE_BOUND_S` of the host's rest (an operation suppresses the
+        sweep) while its region has a live box (the sweep's runner) is a violation (the sweep's bounded liveness)."""
         out = []
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             served = serving_region(claim) if claim is not None else None
             if claim is None or claim.holder is None or claim.op.kind != "serving" or served is None:
+                # an operation suppresses the sweep (§6.4): the bound counts the host's time at rest only
+                self.residue_seen = {k: t for k, t in self.residue_seen.items() if k[0] != plan.host}
                 continue
             for region in MOVE_REGIONS:
-                prefix = claim.holder.location.rstrip("/") + "/"
-                left = self.s3.current_keys(region_bucket(region), prefix) if region != served else []
-                if left:
-                    line = (f"{len(left)} objects left in {region_bucket(region)}/{prefix}, a location "
-                            f"{plan.host} left (first {left[0]})")
+                location = claim.holder.location.rstrip("/") + "/"
+                lanes = staging_prefix(plan.host, "").rstrip("/") + "/"
+                found = [(location, "a location", self.s3.current_keys(region_bucket(region), location)
+                          if region != served else []),
+                         (lanes, "staging lanes", self.s3.current_keys(region_bucket(region), lanes))]
+                for prefix, what, left in found:
+                    if not left:
+                        self.residue_seen.pop((plan.host, region, prefix), None)
+                        continue
+                    line = (f"{len(left)} objects left in {region_bucket(region)}/{prefix}, {what} {plan.host} left "
+                            f"(first {left[0]})")
                     out.append(line)
-                    seen = self.residue_seen.setdefault((region, prefix), self.loop.time())
+                    if not self._live_in(region):  # nothing runs the sweep there yet: the bound has not started
+                        self.residue_seen.pop((plan.host, region, prefix), None)
+                        continue
+                    seen = self.residue_seen.setdefault((plan.host, region, prefix), self.loop.time())
                     if self.loop.time() - seen > RESIDUE_BOUND_S:
                         self.checker.flag("INV-10", f"{line}, for {self.loop.time() - seen:.0f} s of the calm phase")
-                else:
-                    self.residue_seen.pop((region, prefix), None)
         return out
+
+    def _live_in(self, region: str) -> bool:
+        """A box of ``region`` runs (up, not stopped, not frozen): the region's at-rest sweep can run."""
+        return any(r == region and self.slots[b].up and b not in self.stopped and b not in self.terminated
+                   and b not in self.loop.frozen for b, r in self.boxes.items())  # type: ignore[attr-defined]
 
     async def _lane_at_close(self, host: str, move_id: str) -> None:
         """INV-10 at a rollback's close (§7.8, model 27): the record closes only once its parks are acknowledged
@@ -1299,7 +1345,7 @@ class MoveWorld(World):
                 "idle_stops": self.idle_stops, "wake_requests": self.wake_requests,
                 "terminations": self.terminations, "generations_retired": self.generations_retired,
                 "targets_frozen": self.freezes, "declared_lost": self.declarations,
-                "platform_stops": self.compute.stops}
+                "platform_stops": self.compute.stops, "readmitted": self.readmissions}
 
     def cleanup(self) -> None:
         self.abandoned.clear()

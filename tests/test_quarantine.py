@@ -22,11 +22,20 @@ from events.claim import Claim, Holder, LostBox, Op
 from hostmove.stackinfo import StackInfo
 from kernel import rules
 from kernel.failpoints import ENV
-from kernel.ports import SystemRandom, WallClock
+from kernel.ports import ManualClock, SystemRandom, WallClock
 from services.agent.service import read_endpoint
+from services.box.instance.guard import host_guard
 from services.box.instance.registry import Registry
 from services.box.instance.sandbox import instance_dir
-from services.box.quarantine import decide_readmit_claim, decide_retired, owes_quarantine
+from services.box.instance.stamps import StampBook
+from services.box.instance.timers import Timers
+from services.box.quarantine import (
+    decide_readmit_claim,
+    decide_retired,
+    owes_quarantine,
+    quarantine,
+    quarantine_event,
+)
 from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
@@ -138,3 +147,43 @@ def test_readmission_waits_for_the_quarantine_and_never_readmits_a_terminated_en
     assert isinstance(decide_readmit_claim(serving, "us-1"), NoChange)
     with rules.mutated(["lost-quarantine"]):
         assert isinstance(decide_readmit_claim(serving, "uk-1"), Claim), "the mutation readmits an unquarantined box"
+
+
+async def test_a_box_declared_lost_twice_for_a_host_quarantines_each_time_into_a_park_of_its_own(
+        tmp_path: Path) -> None:
+    """§6.4 "one destination per retirement event": a box readmitted, chosen again and declared lost again for the
+    same host quarantines a second time; its second installation is parked beside the first one's, never onto it
+    (the simulation's move seed 193 with frozen targets: the agent's start failed, the destination existed)."""
+    host, inc, box = "q.example", "e" * 64, "uk-1"
+    clock = ManualClock()
+    stamps, registry, timers = StampBook.open(tmp_path, clock), Registry.open(tmp_path, clock), Timers.open(
+        tmp_path, clock)
+    try:
+        for stamp, declared_at in ((10, 5_000), (20, 9_000)):
+            serving = Claim(host=host, gen=stamp, op=Op(kind="serving", exec=box),
+                            holder=Holder(incarnation=inc, location=f"instances/{host}/{inc}", stamp=stamp))
+
+            async def installing(c: Claim = serving) -> Claim | None:
+                return c
+
+            async with host_guard(tmp_path, host, installing, clock=clock) as g:  # the box serves the host
+                stamps.init_record(g, box)
+                db = tmp_path / "data" / f"{host}.db"
+                db.parent.mkdir(parents=True, exist_ok=True)
+                db.write_text(f"installation {stamp}")
+                stamps.tag(g, inc, "db", db, stamp)
+            lost = LostBox(box=box, fence=f"control/losses/q.example/mv_{stamp}/{box}.json", at=declared_at)
+            declared = msgspec.structs.replace(serving, op=Op(kind="serving", exec="ie-1"), lost=(lost,))
+
+            async def after(c: Claim = declared) -> Claim | None:
+                return c
+
+            done = await quarantine(box_dir=tmp_path, host=host, stamps=stamps, registry=registry, timers=timers,
+                                    read_claim=after, clock=clock, event=quarantine_event(lost))
+            assert done is not None and done.parked == 1 and not db.exists()
+        parks = tmp_path / ".parked" / "superseded-quarantine"
+        assert (parks / "quarantine-local-5000" / host / f"{host}.db").read_text() == "installation 10"
+        assert (parks / "quarantine-local-9000" / host / f"{host}.db").read_text() == "installation 20"
+    finally:
+        for closable in (stamps, registry, timers):
+            closable.close()

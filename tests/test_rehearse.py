@@ -22,7 +22,7 @@ REHEARSE = os.environ.get("HOSTMOVE_REHEARSE", "") == "1"
 def test_each_scenario_sets_its_fail_switch(tmp_path: Path) -> None:
     switch = tmp_path / "switch"
     assert "MOVEPROBE_FAIL_READY_IN" not in release_env("move", "ie", "uk", None)
-    for lost in ("declare-lost", "fenced-target"):  # §7.10: the target's agent dies instead (a failpoint)
+    for lost in ("declare-lost", "fenced-target", "fenced-target-committed"):  # §7.10: the target's agent dies
         assert "MOVEPROBE_FAIL_READY_IN" not in release_env(lost, "ie", "uk", None)
     clean, dirty = release_env("clean-rollback", "ie", "uk", None), release_env("dirty-rollback", "ie", "uk", None)
     assert (clean["MOVEPROBE_FAIL_READY_IN"], clean["MOVEPROBE_FAIL_READY_WHEN"]) == ("uk", "before-write")
@@ -36,7 +36,9 @@ def test_each_scenario_sets_its_fail_switch(tmp_path: Path) -> None:
     ("dirty-rollback", "rolled_back", False, True), ("stuck-retry", "rolled_back", False, False),
     ("stuck-retry", "rolled_back", True, True),
     ("declare-lost", "rolled_back", False, True), ("fenced-target", "rolled_back", False, True),
-    ("fenced-target", "", False, False), ("fenced-source", "aborted", False, True),
+    ("fenced-target", "", False, False), ("fenced-target-committed", "done", False, True),
+    ("fenced-target-committed", "rolled_back", False, False), ("fenced-target-committed", "", False, False),
+    ("fenced-source", "aborted", False, True),
     ("fenced-source", "rolled_back", False, False),
 ])
 def test_the_exit_code_is_0_only_when_the_scenario_ended_as_it_must(scenario: str, ended: str, stuck: bool,

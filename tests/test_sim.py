@@ -1055,13 +1055,16 @@ def test_blocking_runs_inline_only_inside_the_simulation() -> None:
     assert inline and ident == threading.get_ident(), "simulation: the caller's thread"
 
 
-def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
+def test_a_random_move_seed_converges_and_replays_in_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seed of the world with moves under chaos (crashes, store and bus faults, failpoints) converges with its
     moves done, and replays to the same trace in fresh processes, from both entry points (``python -m sim moves``
     and ``hostmove sim moves`` import the modules in different orders), with other hash seeds, and after another
-    seed in the same process."""
+    seed in the same process. Frozen targets off (seed 0 freezes its one move's target: the test below)."""
+    import sim.moves
     from sim.moves import run_move_seed
 
+    monkeypatch.setattr(sim.moves, "FREEZE_P", 0.0)
+    monkeypatch.setenv("HOSTMOVE_SIM_FREEZE_P", "0")
     result = run_move_seed(0)
     assert not result.violations and result.error is None, result.report()
     assert result.counters["moves_done"] >= 1 and result.counters["crashes"] > 0
@@ -1085,23 +1088,29 @@ def test_a_random_move_seed_converges_and_replays_in_another_process() -> None:
     assert after.stdout.split()[-1] == traces[0]
 
 
-@pytest.mark.xfail(strict=True, reason="open finding (issue 15): the frozen target's forward lane in its region waits for "
-                   "a live box of that region (§6.4 at-rest sweep), and the quarantined box stays lost while nothing "
-                   "readmits it: INV-10 at the end of seed 0 (it passed before the lost region's park landed)")
 def test_a_frozen_target_is_declared_lost_and_the_seed_converges_the_same_twice() -> None:
-    """With frozen targets on (``HOSTMOVE_SIM_FREEZE_P``, off in the gate: sim/moves.py FREEZE_P), move seed 0 freezes
-    its move's target whole during the landing's probe; the operator's declaration on the box's silence alone is
-    refused (the platform shows it running), the platform stops it, the declaration through the door is taken, the
-    source recovers and the platform starts the box again (it quarantines): converged clean, the same trace twice."""
+    """With frozen targets on (``HOSTMOVE_SIM_FREEZE_P``, 0.1 by default: sim/moves.py FREEZE_P), move seed 0
+    freezes its move's target whole during the landing's probe; the operator's declaration on the box's silence
+    alone is refused (the platform shows it running), the platform stops it, the declaration through the door is
+    taken, the source recovers, the platform starts the box again (it quarantines) and the operator readmits it;
+    the lost target's forward lane in its region is parked by that region's at-rest sweep (§6.4, rule
+    ``sweep-staging``) before the world is at rest: converged clean, the same trace twice."""
     env = {**os.environ, "HOSTMOVE_SIM_FREEZE_P": "0.1"}
-    lines = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "sim", "moves", "--seeds", "1"], cwd=ROOT, capture_output=True,
-                             env=env, text=True, timeout=600, check=False)
-        assert out.returncode == 0, out.stdout + out.stderr
-        lines.append(out.stdout.splitlines()[0])
-    assert "targets_frozen=1 declared_lost=2 platform_stops=1 ok" in lines[0], lines[0]
-    assert lines[0] == lines[1]
+    out = subprocess.run([sys.executable, "-m", "sim", "moves", "--seeds", "1"], cwd=ROOT, capture_output=True,
+                         env=env, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr
+    line = out.stdout.splitlines()[0]
+    assert "targets_frozen=1 declared_lost=2 platform_stops=1 readmitted=1 ok" in line, line
+    script = ("from sim.moves import run_move_seed as r; x = r(0, trace=True); print(x.trace_hash); "
+              "print(*x.violations, sep='\\n'); print('\\n'.join(x.trace))")
+    again = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, env=env, text=True,
+                           timeout=600, check=False)
+    assert again.returncode == 0, again.stderr
+    assert f"trace={again.stdout.split()[0]} " in line, "the same trace twice"
+    trace = again.stdout
+    assert "operator readmit ie-1: readmitted for ['h3.example'], refused []" in trace
+    assert "at-rest sweep of h3.example in ie: 1 locations or lanes to park (moves/h3.example/mv_" in trace, (
+        "the lost target's forward lane is its region's at-rest sweep's")
 
 
 def test_a_machine_gone_for_good_is_replaced_and_its_host_relocated() -> None:

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 import msgspec
 
-from events.claim import Claim
+from events.claim import Claim, LostBox
 from kernel import rules
 from kernel.ports import Clock
 from services.box.fence import FENCES_PREFIX
@@ -80,6 +80,38 @@ def decide_readmit_claim(claim: Claim | None, label: str) -> Claim | NoChange | 
 
 
 @dataclass(frozen=True)
+class Readmission:
+    """What one ``hostmove box readmit`` did: the hosts whose ``lost`` list it left, and each refusal's reason."""
+
+    readmitted: tuple[str, ...]
+    refused: tuple[str, ...]
+
+
+async def readmit(ledger: Ledger, label: str) -> Readmission:
+    """``hostmove box readmit --label L``'s claim CASes (module docstring): every host whose claim lists ``label``
+    lost, each through :func:`decide_readmit_claim` (refused while the box has not retired its state of the host,
+    while an operation of the host names it, or for a fenced box). The caller checks the roster first."""
+    readmitted: list[str] = []
+    refused: list[str] = []
+    for key in await ledger.store.list_keys(ledger.bucket, CLAIMS_PREFIX):
+        if not key.endswith(".json"):
+            continue
+        host = unquote(key[len(CLAIMS_PREFIX):-5])
+        claim = (await ledger.read_claim(host)).state
+        if claim is None or not any(b.box == label for b in claim.lost):
+            continue
+        out = await ledger.transition("claim", host, "box-readmitted", lambda cur: decide_readmit_claim(cur, label),
+                                      causation="operator")
+        if isinstance(out, Committed):
+            readmitted.append(host)
+        elif isinstance(out, Refusal):
+            refused.append(out.reason)
+        else:
+            refused.append(f"{host} kept changing; run it again")
+    return Readmission(tuple(readmitted), tuple(refused))
+
+
+@dataclass(frozen=True)
 class Quarantined:
     """What the quarantine retired of one host: artifacts parked, whether a row went, how many timers."""
 
@@ -89,17 +121,26 @@ class Quarantined:
     timers_deleted: int
 
 
+def quarantine_event(lost: LostBox) -> str:
+    """The retirement event of one declaration's quarantine (§6.4 "one destination per retirement event"): a box
+    readmitted, chosen again and declared lost again for the same host quarantines again, into a directory of its
+    own (``.parked/superseded-quarantine/quarantine-local-<declared at>/<host>/``); a replay of one quarantine
+    names the same."""
+    return f"quarantine-local-{lost.at or 0}"
+
+
 async def quarantine(*, box_dir: Path, host: str, stamps: StampBook, registry: Registry, timers: Timers,
-                     read_claim: Callable[[], Awaitable[Claim | None]], clock: Clock) -> Quarantined | None:
-    """Retire, under the host's guard, every local artifact of ``host`` (module docstring); None with the rule off
-    (the mutation: nothing is retired). Idempotent: a replay parks nothing new."""
+                     read_claim: Callable[[], Awaitable[Claim | None]], clock: Clock,
+                     event: str) -> Quarantined | None:
+    """Retire, under the host's guard, every local artifact of ``host`` (module docstring) as retirement ``event``
+    (:func:`quarantine_event`); None with the rule off (the mutation: nothing is retired). Idempotent: a replay
+    parks nothing new."""
     if not rules.on("lost-quarantine"):
         return None
     async with host_guard(box_dir, host, read_claim, clock=clock) as guarded:
         parked = 0
         for incarnation in stamps.incarnations(host):
-            parked += len(stamps.retire_installation(guarded, incarnation, op=QUARANTINE_OP,
-                                                     event="quarantine-local"))
+            parked += len(stamps.retire_installation(guarded, incarnation, op=QUARANTINE_OP, event=event))
         return Quarantined(host, parked, registry.delete_retired(host), timers.delete_all(host))
 
 
@@ -123,18 +164,19 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
             continue
         host = unquote(key[len(CLAIMS_PREFIX):-5])
         try:
-            owed = owes_quarantine((await ledger.read_claim(host)).state, label)
+            claim = (await ledger.read_claim(host)).state
         except BadObject as bad:  # that host only (issue 14 item 6): the agent's scan alerts it once; never its own
             log.warning("box %s cannot read the claim of %s before anything else (%s); skipped", label, host, bad)
             continue
-        if not owed:
+        owed = next((b for b in claim.lost if b.box == label and b.retired_at is None), None) if claim else None
+        if owed is None:
             continue
 
         async def read_claim(host: str = host) -> Claim | None:
             return (await ledger.read_claim(host)).state
 
         retired = await quarantine(box_dir=box_dir, host=host, stamps=stamps, registry=registry, timers=timers,
-                                   read_claim=read_claim, clock=clock)
+                                   read_claim=read_claim, clock=clock, event=quarantine_event(owed))
         if retired is None:
             continue
         at = clock.now_ms()
@@ -149,5 +191,5 @@ async def quarantine_on_start(*, label: str, box_dir: Path, stamps: StampBook, r
     return done
 
 
-__all__ = ["QUARANTINE_OP", "Quarantined", "decide_readmit_claim", "decide_retired", "owes_quarantine", "quarantine",
-           "quarantine_on_start"]
+__all__ = ["QUARANTINE_OP", "Quarantined", "Readmission", "decide_readmit_claim", "decide_retired", "owes_quarantine",
+           "quarantine", "quarantine_event", "quarantine_on_start", "readmit"]
