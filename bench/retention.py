@@ -21,7 +21,7 @@ Without generation retirement the bytes grow by the database at every wake and t
 last line is ``RESULT retention ratio=<end bytes / db> target=3``; it exits 1 above the target or when an
 acknowledged write is missing from the served database. The claim's own target (2x its size after the first wake) is
 printed as met or missed: the claim spec keeps eight covered admission records (§7.14 item 8), so it settles near
-3.4x of a first-wake claim that holds one.
+3x of a first-wake claim that holds one (``bench/README.md`` has the figures and the arithmetic).
 """
 
 from __future__ import annotations
