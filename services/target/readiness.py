@@ -28,7 +28,7 @@ from kernel.ports import Clock, blocking
 from services.box.artifacts.archive import ArchiveError, extract
 from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
 from services.ledger.ledger import Ledger
-from services.objstore.port import Got, ObjectStore, StoreError
+from services.objstore.port import Got, ObjectStore, StoreError, Won
 from services.target.budget import DEFAULT_WINDOW_S, Budget, BudgetTiming, Rates, t11
 
 rules.register(
@@ -212,13 +212,15 @@ LANE_PREFIX = "moves/_lane/"
 
 
 async def storage_probe(store: ObjectStore, bucket: str, name: str) -> tuple[bool, str]:
-    """T4 for one store: list one key, put, get and delete ``.carlos-move-probe/<name>``."""
+    """T4 for one store: list one key, put, get and delete ``.carlos-move-probe/<name>``. The store is this box's
+    own region's, so the delete names the version the PUT made: a versioned bucket keeps neither a noncurrent version
+    nor a delete marker of a probe made at every assessment (issue 16 item 2)."""
     key = PROBE_PREFIX + name
     try:
         await store.list_keys(bucket, PROBE_PREFIX)
-        await store.put(bucket, key, b"probe")
+        put = await store.put(bucket, key, b"probe")
         got = await store.get(bucket, key)
-        await store.delete(bucket, key)
+        await store.delete(bucket, key, version_id=put.version_id if isinstance(put, Won) else None)
     except StoreError as exc:
         return False, f"the store refused the probe: {type(exc).__name__}"
     if not isinstance(got, Got) or got.body != b"probe":
