@@ -732,11 +732,11 @@ class BoxAgent:
                 await self.bad_objects.report(bad)
                 continue
             if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
-                                      or host in self.instances
-                                      or any(o.owner == self.label for o in claim.obligations)
-                                      or bool(lost_owner_chores(claim, self.cfg.region))):
+                                      or host in self.instances):
                 hosts.add(host)
             elif claim is not None:
+                if any(o.owner == self.label for o in claim.obligations) or lost_owner_chores(claim, self.cfg.region):
+                    hosts.add(host)  # its pass runs the park-generation chores (the sweep below, its park-sweeps)
                 await self._sweep(host, claim)
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
