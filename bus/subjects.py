@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from functools import lru_cache
 
 LEDGER_STREAM = "HM_LEDGER"
 FACTS_STREAM = "HM_FACTS"
@@ -38,8 +39,9 @@ class SubjectError(ValueError):
     pass
 
 
+@lru_cache(maxsize=4096)
 def encode_token(name: str) -> str:
-    """A safe, reversible NATS subject token for any non-empty name."""
+    """A safe, reversible NATS subject token for any non-empty name (remembered: every event names its host's)."""
     if not name:
         raise SubjectError("a subject token needs a non-empty name")
     out = []
@@ -52,8 +54,9 @@ def encode_token(name: str) -> str:
     return token
 
 
+@lru_cache(maxsize=4096)
 def decode_token(token: str) -> str:
-    """The inverse of :func:`encode_token`. Refuses anything it would not have produced."""
+    """The inverse of :func:`encode_token`. Refuses anything it would not have produced (remembered, like it)."""
     if not _TOKEN.match(token):
         raise SubjectError(f"not a subject token: {token!r}")
     raw = bytearray()

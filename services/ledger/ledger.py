@@ -25,6 +25,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
 from urllib.parse import quote
 
@@ -145,9 +146,11 @@ Decision: TypeAlias = S | NoChange | Refusal  # noqa: UP040 - generic alias, py3
 Outcome: TypeAlias = Committed[S] | NoChange | Refusal | Conflict  # noqa: UP040
 
 
+@lru_cache(maxsize=4096)
 def object_key(obj: ObjectKind, host: str) -> str:
     """``control/hosts/<host>.json`` or ``control/records/<host>.json``; odd characters are
-    percent-encoded so the key is one path segment and the mapping is reversible."""
+    percent-encoded so the key is one path segment and the mapping is reversible. Remembered: every read and
+    CAS of a host's objects names its key (an invalid host raises each time, nothing is kept for it)."""
     validate_host(host)
     return f"{_PREFIXES[obj]}{quote(host, safe='.-_~@+')}.json"
 
