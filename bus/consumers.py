@@ -17,7 +17,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.log import EventLog, LogError, StoredMessage
 
-__all__ = ["ConsumingLog", "Consumers", "Delivery", "NatsConsumers", "NatsDelivery"]
+__all__ = ["ConfirmedDelivery", "ConsumingLog", "Consumers", "Delivery", "NatsConsumers", "NatsDelivery"]
 
 
 class Delivery(Protocol):
@@ -63,10 +63,11 @@ class NatsDelivery:
         self.num_delivered = int(md.num_delivered)
 
     async def ack(self) -> None:
+        """Acknowledge with no confirmation awaited: a lost acknowledgement is one redelivery (stack facts §3)."""
         try:
-            await self._raw.ack_sync()  # type: ignore[attr-defined]
+            await self._raw.ack()  # type: ignore[attr-defined]
         except (NatsError, TimeoutError) as exc:
-            raise LogError(f"ack of seq {self.msg.seq} not confirmed: {type(exc).__name__}") from None
+            raise LogError(f"ack of seq {self.msg.seq} not sent: {type(exc).__name__}") from None
 
     async def nak(self, delay: float = 0.0) -> None:
         try:
@@ -79,6 +80,16 @@ class NatsDelivery:
             await self._raw.term()  # type: ignore[attr-defined]
         except (NatsError, TimeoutError) as exc:
             raise LogError(f"term of seq {self.msg.seq} not sent: {type(exc).__name__}") from None
+
+
+class ConfirmedDelivery(NatsDelivery):
+    """A delivery whose acknowledgement waits for the server's confirmation (``AckSync``)."""
+
+    async def ack(self) -> None:
+        try:
+            await self._raw.ack_sync()  # type: ignore[attr-defined]
+        except (NatsError, TimeoutError) as exc:
+            raise LogError(f"ack of seq {self.msg.seq} not confirmed: {type(exc).__name__}") from None
 
 
 class NatsConsumers:
@@ -107,7 +118,10 @@ class NatsConsumers:
             msgs = await sub.fetch(batch, timeout=timeout)
         except (NatsTimeout, TimeoutError):
             return []
-        return [NatsDelivery(m) for m in msgs]
+        return [self.delivery(m) for m in msgs]
+
+    def delivery(self, raw: object) -> Delivery:
+        return NatsDelivery(raw)
 
     async def unsubscribe(self) -> None:
         """Drop the subscriptions (the consumers stay on the server, with what they have not acknowledged)."""

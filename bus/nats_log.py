@@ -17,6 +17,7 @@ restates what its stream lost).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -298,6 +299,10 @@ class NatsEventLog:
             task.cancel()
         if self.nc.is_closed:
             return
+        # A durable consumer's pull subscription may hold fetched messages nobody will take: dropped first (the
+        # server redelivers what was not acknowledged), or the drain below waits its whole timeout for them.
+        with contextlib.suppress(Exception):
+            await self._consumers.unsubscribe()
         if self.nc.is_connected:
             try:
                 await self.nc.drain()
