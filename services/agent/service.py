@@ -781,7 +781,7 @@ class BoxAgent:
         declared first (idempotent), again after a failed fetch; an outage waits ``retry_s``. A delivery stays
         unacknowledged until a pass of its host ends well (:meth:`take_notices`, :meth:`settle_notices`): one
         redelivered after the ack wait only marks its host dirty again."""
-        declared = False
+        declared, failing = False, ""
         while not stop.is_set():
             try:
                 if not declared:
@@ -790,13 +790,19 @@ class BoxAgent:
                     declared = True
                 deliveries = await self.events.fetch(WORK_STREAM, self.durable, batch=64,
                                                      timeout=max(self.timing.scan_s, 1.0))
-            except LogError as exc:  # LogUnavailable included: the outage hold names it; declare again after
+            except LogError as exc:  # LogUnavailable included: declared again after; named once, not per retry
                 declared = False
-                log.info("work notices of %s not fetched: %s", self.label, exc,
-                         extra=ctx(box=self.label, phase="consume", reason=exc, durable=self.durable))
+                if not failing:
+                    log.warning("work notices of %s not fetched (the scan stands in): %s", self.label, exc,
+                                extra=ctx(box=self.label, phase="consume", reason=exc, durable=self.durable))
+                failing = str(exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.timing.retry_s)
                 continue
+            if failing:
+                log.info("work notices of %s are fetched again", self.label,
+                         extra=ctx(box=self.label, phase="consume", durable=self.durable))
+                failing = ""
             for d in deliveries:
                 metrics.delivered(self.durable, d.num_delivered)
                 try:
