@@ -21,7 +21,7 @@ from faststream.specification import AsyncAPI
 
 from bus.app import PoisonAlert
 from bus.facts import Fact
-from bus.subjects import FACTS_STREAM, LEDGER_STREAM
+from bus.subjects import FACTS_STREAM, LEDGER_STREAM, WORK_STREAM
 from events.envelope import Transition
 
 TITLE = "hostmove event stream"
@@ -59,6 +59,11 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("incident", "hm.alert.{kind}.{subject}.{incident}", FACTS_STREAM, Fact,
             "An incident, raised once ever: its subject's only message (bus.facts.raise_incident, spec §13).",
             {"kind": "the incident's kind", "subject": "its host or box", "incident": "the incident's id"}),
+    Channel("work-notice", "hm.work.{box}.{host}", WORK_STREAM, None,
+            "A work notice (empty body): a transition of the host's claim or record concerns the box "
+            "(services.ledger.notices); the stream keeps the newest per subject, the box's durable consumer "
+            "box-{box} takes its own (issue 19 item 1). Only a wake-up: the box reads the claim.",
+            {"box": "the box's label as a subject token", "host": "the host name as a subject token"}),
     Channel("box-wake", "hm.box.{label}.wake", None, None,
             "Core NATS request/reply: a router asks a box to wake a sleeping host; the body is the host name "
             "(text), the reply JSON {host, running}.",

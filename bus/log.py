@@ -81,6 +81,11 @@ class EventLog(Protocol):
         headers: Mapping[str, str] | None = None,
     ) -> PubAck: ...
 
+    async def notice(self, stream: str, subject: str, data: bytes = b"") -> None:
+        """Store ``data`` on ``subject`` with no acknowledgement awaited (a work notice, issue 19 item 1): fire and
+        forget, a :class:`LogError` only when it cannot even be sent."""
+        ...
+
     async def last(self, stream: str, subject: str) -> StoredMessage | None:
         """The last message on ``subject``, or None when the subject is empty."""
         ...

@@ -67,6 +67,11 @@ class MemoryEventLog:
             raise LogError("publish outcome unknown: injected lost ack")
         return PubAck(seq=seq)
 
+    async def notice(self, stream: str, subject: str, data: bytes = b"") -> None:
+        msgs = self._msgs(stream)
+        seq = (msgs[-1].seq if msgs else self._first.get(stream, 1) - 1) + 1
+        msgs.append(StoredMessage(seq=seq, subject=subject, data=data))
+
     async def last(self, stream: str, subject: str) -> StoredMessage | None:
         for m in reversed(self._msgs(stream)):
             if m.subject == subject:

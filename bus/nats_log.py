@@ -17,6 +17,7 @@ restates what its stream lost).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -39,8 +40,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 
+from bus.consumers import Delivery, NatsConsumers
 from bus.log import LogError, LogUnavailable, PubAck, StoredMessage, StreamState, WrongLastSequence
-from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS
+from bus.subjects import FACTS_STREAM, FACTS_SUBJECTS, LEDGER_STREAM, LEDGER_SUBJECTS, WORK_STREAM, WORK_SUBJECTS
 from kernel import metrics
 from kernel.credentials import Credentials, credentials_from_env
 
@@ -90,8 +92,11 @@ def server_urls(url: str) -> list[str]:
 async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
     """Declare the streams this system uses with ``replicas`` replicas (idempotent). A stream found with fewer
     replicas is raised to ``replicas`` (JetStream moves a stream's replica count in place); never lowered."""
-    for name, subjects in ((LEDGER_STREAM, LEDGER_SUBJECTS), (FACTS_STREAM, FACTS_SUBJECTS)):
-        config = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, num_replicas=replicas)
+    for name, subjects, per_subject in ((LEDGER_STREAM, LEDGER_SUBJECTS, -1), (FACTS_STREAM, FACTS_SUBJECTS, -1),
+                                        (WORK_STREAM, WORK_SUBJECTS, 1)):
+        # HM_WORK keeps the newest notice per box and host: an index of the hosts with news, bounded by them
+        config = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, num_replicas=replicas,
+                              max_msgs_per_subject=per_subject)
         try:
             info = await js.stream_info(name)
         except NotFoundError:
@@ -153,6 +158,7 @@ class NatsEventLog:
         self.last_error = ""  # the server's or the client's last error text (an authorization violation, say)
         self._on_reconnect: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._consumers = NatsConsumers(js)
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "hostmove", timeout: float = 5.0, wait: bool = False,
@@ -293,6 +299,10 @@ class NatsEventLog:
             task.cancel()
         if self.nc.is_closed:
             return
+        # A durable consumer's pull subscription may hold fetched messages nobody will take: dropped first (the
+        # server redelivers what was not acknowledged), or the drain below waits its whole timeout for them.
+        with contextlib.suppress(Exception):
+            await self._consumers.unsubscribe()
         if self.nc.is_connected:
             try:
                 await self.nc.drain()
@@ -332,6 +342,37 @@ class NatsEventLog:
         finally:  # to its ack, by answer (issue 19 item 5)
             metrics.PUBLISH_SECONDS.labels(stream=stream, outcome=outcome).observe(time.monotonic() - started)
         return PubAck(seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    async def notice(self, stream: str, subject: str, data: bytes = b"") -> None:
+        """A core publish on a subject ``stream`` captures: stored with no acknowledgement awaited."""
+        self._require()
+        try:
+            await self.nc.publish(subject, data)
+        except _CONNECT_ERRORS as exc:
+            raise self._unavailable("notice not sent", exc) from None
+
+    async def add_consumer(
+        self, stream: str, durable: str, *, filter_subject: str, ack_wait_s: float, max_deliver: int = -1
+    ) -> None:
+        """Declare a durable pull consumer (idempotent: the same configuration again changes nothing)."""
+        self._require()
+        try:
+            await self._consumers.add_consumer(stream, durable, filter_subject=filter_subject,
+                                               ack_wait_s=ack_wait_s, max_deliver=max_deliver)
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("consumer not declared", exc) from None
+        except APIError as exc:
+            raise LogError(f"consumer {durable} refused: {exc.description} ({exc.err_code})") from None
+
+    async def fetch(self, stream: str, durable: str, *, batch: int = 1, timeout: float = 1.0) -> list[Delivery]:
+        """Up to ``batch`` deliveries of ``durable``, waiting at most ``timeout`` s for the first."""
+        self._require()
+        try:
+            return await self._consumers.fetch(stream, durable, batch=batch, timeout=timeout)
+        except _UNAVAILABLE as exc:
+            raise self._unavailable("fetch failed", exc) from None
+        except APIError as exc:
+            raise LogError(f"fetch from {durable} refused: {exc.description} ({exc.err_code})") from None
 
     @staticmethod
     def _stored(raw: object) -> StoredMessage:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from functools import lru_cache
 
 LEDGER_STREAM = "HM_LEDGER"
 FACTS_STREAM = "HM_FACTS"
@@ -21,8 +22,13 @@ FACT_PREFIX = "hm.fact"
 ALERT_PREFIX = "hm.alert"
 BOX_PREFIX = "hm.box"
 """Core NATS (no stream): ``hm.box.<label>.wake``, the router's request that a box wake a sleeping host."""
+WORK_STREAM = "HM_WORK"
+WORK_PREFIX = "hm.work"
+"""``hm.work.<box>.<host>`` on ``HM_WORK`` (issue 19 item 1): a work notice, one per transition and box it concerns,
+the newest only per subject (a per-box index of the hosts with news); a box's durable consumer takes its own."""
 LEDGER_SUBJECTS = [f"{LEDGER_PREFIX}.>"]
 FACTS_SUBJECTS = [f"{FACT_PREFIX}.>", f"{ALERT_PREFIX}.>"]
+WORK_SUBJECTS = [f"{WORK_PREFIX}.*.*"]
 
 MAX_TOKEN_BYTES = 1000
 _SAFE = re.compile(rb"[A-Za-z0-9-]")
@@ -33,8 +39,9 @@ class SubjectError(ValueError):
     pass
 
 
+@lru_cache(maxsize=4096)
 def encode_token(name: str) -> str:
-    """A safe, reversible NATS subject token for any non-empty name."""
+    """A safe, reversible NATS subject token for any non-empty name (remembered: every event names its host's)."""
     if not name:
         raise SubjectError("a subject token needs a non-empty name")
     out = []
@@ -47,8 +54,9 @@ def encode_token(name: str) -> str:
     return token
 
 
+@lru_cache(maxsize=4096)
 def decode_token(token: str) -> str:
-    """The inverse of :func:`encode_token`. Refuses anything it would not have produced."""
+    """The inverse of :func:`encode_token`. Refuses anything it would not have produced (remembered, like it)."""
     if not _TOKEN.match(token):
         raise SubjectError(f"not a subject token: {token!r}")
     raw = bytearray()
@@ -95,6 +103,29 @@ def ledger_msg_id(obj: str, host: str, gen: int) -> str:
     """The ``Nats-Msg-Id`` of an object's gen: unique across the stream, bounded in length."""
     digest = hashlib.sha256(host.encode("utf-8")).hexdigest()[:32]
     return f"{obj}:{digest}:{gen}"
+
+
+def work_subject(box: str, host: str) -> str:
+    """The work notice subject of ``host`` for ``box`` (:data:`WORK_STREAM`)."""
+    return f"{WORK_PREFIX}.{encode_token(box)}.{encode_token(host)}"
+
+
+def work_filter(box: str) -> str:
+    """The filter of ``box``'s durable consumer: its own notices only."""
+    return f"{WORK_PREFIX}.{encode_token(box)}.*"
+
+
+def parse_work_subject(subject: str) -> tuple[str, str]:
+    """``(box, host)`` of a work notice subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or ".".join(parts[:2]) != WORK_PREFIX:
+        raise SubjectError(f"not a work notice subject: {subject!r}")
+    return decode_token(parts[2]), decode_token(parts[3])
+
+
+def box_durable(box: str) -> str:
+    """The name of ``box``'s durable consumer on :data:`WORK_STREAM` (a consumer name has no dots or wildcards)."""
+    return f"box-{encode_token(box)}"
 
 
 def box_wake_subject(label: str) -> str:

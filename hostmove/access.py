@@ -29,6 +29,10 @@ ledger's OCC and the box's one-writer check (issue 14 item 5) stand behind it); 
 on the JetStream API but reads. A role allowed to create consumers (``projections``) could, through a push
 consumer's deliver subject, have JetStream redeliver the ledger's own stored messages to a subject it may not
 publish (nats-server issue 8274, open on 2.15): it cannot forge a body, and the stream does not store them again.
+A box learns of work from its own durable consumer on ``HM_WORK`` (``box-<label>``): it may fetch and acknowledge
+that consumer only, but the legacy durable-create API it declares it with carries no filter in its subject, so a box
+could give its consumer another box's filter and read which hosts have news there (host names, no bodies); it
+subscribes to no ledger subject.
 
 **S3** (:func:`s3_policy`): each role but ``admin`` is an IAM user with one inline policy, the same JSON for AWS
 (``examples/iam/``) and for SeaweedFS's embedded IAM (which evaluates resource ARNs with key prefixes and the
@@ -63,6 +67,9 @@ from bus.subjects import (
     FACTS_STREAM,
     LEDGER_PREFIX,
     LEDGER_STREAM,
+    WORK_PREFIX,
+    WORK_STREAM,
+    box_durable,
     encode_token,
 )
 from hostmove.stackinfo import StackInfo
@@ -122,7 +129,15 @@ def _js_replay(stream: str) -> list[str]:
             f"$JS.API.CONSUMER.INFO.{stream}.*"]
 
 
-LEDGER_PUBLISH = [f"{LEDGER_PREFIX}.claim.*", f"{LEDGER_PREFIX}.record.*"]
+LEDGER_PUBLISH = [f"{LEDGER_PREFIX}.claim.*", f"{LEDGER_PREFIX}.record.*", f"{WORK_PREFIX}.*.*"]
+"""A ledger writer publishes its transitions and the work notices they send (:mod:`services.ledger.notices`)."""
+
+
+def _js_durable(stream: str, durable: str) -> list[str]:
+    """One durable pull consumer of the role's own: declare (the legacy durable API: it carries no filter, so the
+    filter is the role's word, see the module's docstring), fetch and acknowledge (issue 19 item 1)."""
+    return [f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
 FACTS_PUBLISH = [f"{FACT_PREFIX}.*.*"]
 
 
@@ -133,26 +148,29 @@ def nats_permissions(role: str) -> dict[str, Any] | None:
         return None
     if role == CONSOLE:
         return {"publish": {"allow": [*LEDGER_PUBLISH, *FACTS_PUBLISH, f"{ALERT_PREFIX}.>",
-                                      *_js_read(LEDGER_STREAM, FACTS_STREAM),
+                                      *_js_read(LEDGER_STREAM, FACTS_STREAM, WORK_STREAM),
                                       f"$JS.API.STREAM.CREATE.{LEDGER_STREAM}",
-                                      f"$JS.API.STREAM.CREATE.{FACTS_STREAM}"],
+                                      f"$JS.API.STREAM.CREATE.{FACTS_STREAM}",
+                                      f"$JS.API.STREAM.CREATE.{WORK_STREAM}"],
                             "deny": [f"{FACT_PREFIX}.roster.*"]},
                 "subscribe": {"allow": [inbox]}}
     if role == PROJECTIONS:
         return {"publish": {"allow": [f"$JS.API.STREAM.INFO.{LEDGER_STREAM}", f"$JS.API.STREAM.INFO.{FACTS_STREAM}",
-                                      f"$JS.API.STREAM.MSG.GET.{LEDGER_STREAM}", *_js_replay(LEDGER_STREAM),
+                                      f"$JS.API.STREAM.INFO.{WORK_STREAM}", f"$JS.API.STREAM.MSG.GET.{LEDGER_STREAM}",
+                                      *_js_replay(LEDGER_STREAM),
                                       *_js_replay(FACTS_STREAM)]},  # the alerts the console shows (issue 20)
                 "subscribe": {"allow": [f"{LEDGER_PREFIX}.>", inbox]}}
     if role == ROUTER:
         return {"publish": {"allow": [f"{BOX_PREFIX}.*.wake", f"$JS.API.STREAM.INFO.{LEDGER_STREAM}",
-                                      f"$JS.API.STREAM.INFO.{FACTS_STREAM}"]},
+                                      f"$JS.API.STREAM.INFO.{FACTS_STREAM}", f"$JS.API.STREAM.INFO.{WORK_STREAM}"]},
                 "subscribe": {"allow": [inbox]}}
     if role.startswith(BOX_ROLE_PREFIX):
         label = role[len(BOX_ROLE_PREFIX):]
         return {"publish": {"allow": [*LEDGER_PUBLISH, *FACTS_PUBLISH, f"{ALERT_PREFIX}.*",
-                                      *_js_read(LEDGER_STREAM, FACTS_STREAM)],
+                                      *_js_read(LEDGER_STREAM, FACTS_STREAM, WORK_STREAM),
+                                      *_js_durable(WORK_STREAM, box_durable(label))],
                             "deny": [f"{FACT_PREFIX}.roster.*", f"{ALERT_PREFIX}.box-fenced"]},
-                "subscribe": {"allow": [f"{LEDGER_PREFIX}.>", f"{BOX_PREFIX}.{encode_token(label)}.wake", inbox]},
+                "subscribe": {"allow": [f"{BOX_PREFIX}.{encode_token(label)}.wake", inbox]},
                 "allow_responses": {"max": 1, "expires": "30s"}}
     raise AccessError(f"unknown role {role!r}")
 

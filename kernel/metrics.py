@@ -39,8 +39,8 @@ from events.record import Move, Record
 from kernel import ports
 
 __all__ = [
-    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "exposition", "move_observation",
-    "observe_record", "set_budget",
+    "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "delivered", "exposition",
+    "move_observation", "observe_record", "set_budget",
 ]
 
 REGISTRY: Final = CollectorRegistry()
@@ -169,6 +169,16 @@ def alert_raised(kind: str) -> None:
         ALERTS.labels(kind=kind).inc()
     except Exception:  # noqa: BLE001 - best effort by design: the alert itself is already durable
         return
+
+
+def delivered(durable: str, num_delivered: int) -> None:
+    """Count a delivery of ``durable``'s (and a redelivery when ``num_delivered`` > 1). Not inside the simulation,
+    as :func:`alert_raised`."""
+    if ports.simulated():
+        return
+    CONSUMER_DELIVERIES.labels(durable=durable).inc()
+    if num_delivered > 1:
+        CONSUMER_REDELIVERIES.labels(durable=durable).inc()
 
 
 # Every series of a bounded label set exists from the start, at zero (and the simulation, which runs the ledger,

@@ -17,7 +17,8 @@ change what it checks):
 - ``INV-13``: no writer is admitted while the claim is creating, deleting, parking, purging, placing
   or free (digest D§3.7);
 - ``C5a``: claims and records are never deleted (a noncurrent version deleted by its id is history retired, not
-  the object: :mod:`services.sweeper.history`; the current version never is);
+  the object: :mod:`services.sweeper.history`; the current version never is); nor are a host's staging leases and
+  move journals in the deployment bucket, whose noncurrent versions the same sweep retires by id (issue 16 item 2);
 - ``marker-order``: ``generation.json`` never goes back to an older generation (§5.1, model 29); a retirement
   that removes the version judged against ends that history (what lands in a parked location is residue:
   the world with moves checks it under INV-10);
@@ -47,6 +48,7 @@ from services.box.instance.admission import REFUSED_KINDS
 from services.box.roster import ROSTER_KEY, Roster
 from services.ledger.audit import HistoryCheck
 from services.ledger.ledger import META_SHA
+from services.move.lease import LEASE_PREFIX
 from sim.twins.s3 import Landed
 
 __all__ = ["Checker", "Proc", "Violation"]
@@ -121,6 +123,8 @@ class Checker:
             found = object_of_key(w.key)
             if found is not None:
                 self._ledger_object(w, *found)
+            elif w.key.startswith(("moves/", LEASE_PREFIX)):
+                self._history_object(w)
             elif w.key == ROSTER_KEY and w.body is not None:
                 try:
                     decode(w.body, Roster)
@@ -134,6 +138,17 @@ class Checker:
                 # A retirement removed the version the order is judged against: the location was parked (§6.4),
                 # and what lands there later is residue for the straggler sweep (INV-10), not a step back.
                 del self.markers[(w.bucket, w.key)]
+
+    def _history_object(self, w: Landed) -> None:
+        """A staging lease or a move journal: only a noncurrent version is ever deleted, by its id (C5a as
+        :mod:`services.sweeper.history` extends it)."""
+        if w.op != "delete":
+            self.ledger_current[(w.bucket, w.key)] = w.version_id
+            return
+        current = self.ledger_current.get((w.bucket, w.key))
+        if w.removed_version and w.version_id is not None and current is not None and w.version_id != current:
+            return
+        self.flag("C5a", f"{w.key} was deleted by {w.request.principal} (only a noncurrent version, by its id)")
 
     def _ledger_object(self, w: Landed, obj: str, host: str) -> None:
         who = w.request.principal

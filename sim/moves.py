@@ -95,7 +95,6 @@ from sim.world import DEPLOY, EXPECTED, ActorBase, ConsoleActor, PlanRandom, Slo
 
 __all__ = ["MoveBox", "MovePlan", "MoveWorld", "draw_moves"]
 
-LEDGER_EVENTS = "hm.ledger.>"
 IDLE_S = 240.0
 """An instance idle this long sleeps (issue 5 item 4): shorter than the timers' period, so every host sleeps between
 its writes and between its timer runs, and each due time wakes it again (its run is a commit: activity)."""
@@ -231,12 +230,11 @@ class MoveBox(ActorBase):
                                      faults=world.failpoints(label), app=SIM_APP,
                                      rates=PlanRates.of(world.plan, MOVE_REGIONS).rates)
         self.agent.activator.policy = StartPolicy(sync_interval_s=AGENT_TIMING.sync_interval_s)
-        self.durable = f"agent-{label}"
         self.due: dict[str, float] = {}
         self.spins: dict[str, int] = {}  # host -> consecutive passes that spun
         self.pool: PassPool | None = None
-        self.kick = asyncio.Event()
-        """The loop's wake: a delivery or a pass ended (a demand is taken with the next, as the loop always did)."""
+        self.kick = self.agent.wakeup
+        """The loop's wake, the agent's own (``BoxAgent.wakeup``): a notice, a demand, or a pass ended."""
 
     @property  # type: ignore[override]
     def idle(self) -> bool:
@@ -275,14 +273,13 @@ class MoveBox(ActorBase):
             await self.retrying("quarantine", quarantine)
         await self.retrying("adopt", adopt)
         self.spawn(self.timers(), "timers")
-        await self.retrying("consumer", lambda: self.events.add_consumer(
-            LEDGER_STREAM, self.durable, filter_subject=LEDGER_EVENTS, ack_wait_s=self.world.timing.ack_wait_s,
-            max_deliver=self.world.timing.max_deliver))
-        self.spawn(self.consume(), "consumer")
+        self.spawn(self.agent.consume(asyncio.Event()), "consumer")  # BoxAgent.run's: the box's work notices
         agent, loop = self.agent, self.world.loop
         pool = self.pool = PassPool(AGENT_TIMING.pass_workers, self.pass_host,
                                     spawn=lambda coro, host: self.spawn(coro, f"pass of {host}"))
-        next_scan = loop.time()
+        for host in sorted(set(agent.instances) | {r.host for r in agent.registry.rows()}):  # BoxAgent._loop's start
+            agent.notify(host)
+        next_scan = loop.time() + AGENT_TIMING.scan_s
         while True:
             now = loop.time()
             if now >= next_scan:
@@ -303,24 +300,6 @@ class MoveBox(ActorBase):
                 await asyncio.wait_for(self.kick.wait(), max(until - loop.time(), 0.001))
             self.idle = False
 
-    async def consume(self) -> None:
-        """The durable consumer: every ledger event marks its host dirty (``BoxAgent.wake_on``'s part)."""
-        while True:
-            try:
-                deliveries = await self.events.fetch(LEDGER_STREAM, self.durable, batch=16,
-                                                     timeout=AGENT_TIMING.scan_s)
-            except EXPECTED as exc:
-                self.emit(f"fetch failed: {type(exc).__name__}")
-                await asyncio.sleep(AGENT_TIMING.retry_s)
-                continue
-            for d in deliveries:
-                with contextlib.suppress(SubjectError):
-                    self.agent.notify(parse_ledger_subject(d.msg.subject)[1])
-                with contextlib.suppress(*EXPECTED):
-                    await d.ack()
-            if deliveries:
-                self.kick.set()
-
     async def timers(self) -> None:
         """``BoxAgent.run``'s timer loop: deliver what is due every tick (§9.4)."""
         while True:
@@ -335,8 +314,10 @@ class MoveBox(ActorBase):
 
     async def pass_host(self, host: str) -> None:
         self.busy += 1
+        taken, ok = self.agent.take_notices(host), False  # BoxAgent.pass_one's: acknowledged when it ends well
         try:
             result = await self.agent.pass_host(host)
+            ok = True
         except Crash:
             raise
         except Exception as exc:  # noqa: BLE001 - as BoxAgent.run: logged, retried (a pass is idempotent)
@@ -345,10 +326,12 @@ class MoveBox(ActorBase):
                 self.world.checker.flag("actor-error", f"{self.label}: pass of {host}: {type(exc).__name__}: {text}")
             self.emit(f"pass of {host} failed: {type(exc).__name__}: {text}")
             self.due[host] = self.world.loop.time() + AGENT_TIMING.retry_s
+            await self.agent.settle_notices(host, taken, ok)
             return
         finally:
             self.busy -= 1
             self.kick.set()  # the loop starts what waited for this pass
+        await self.agent.settle_notices(host, taken, ok)
         for line in result.did:
             self.emit(f"{host} {line}")
         self.mworld.idle_stops += sum("asleep until" in line for line in result.did)
@@ -1099,8 +1082,12 @@ class MoveWorld(World):
         # Replication is asynchronous (§5.1): a write is acknowledged after its local commit and uploaded by the
         # next sync. Two sync intervals after quiescence every serving replicator has synced what it acknowledged
         # before it; the edge keeps writing, and its last writes are the serving form's alone.
+        # A host woken meanwhile (a write or a timer) is admitted into a fresh generation whose first upload may still
+        # be on its way: its cold form waits for the next run; its serving form is checked below.
+        before = {h: c.holder.generation for h, c in self.checker.claims.items() if c.holder is not None}
         await asyncio.sleep(2 * AGENT_TIMING.sync_interval_s)
-        await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s)  # the stronger form
+        await self._inv2_cold(uploaded_by=self.loop.time() - 2 * AGENT_TIMING.sync_interval_s,  # the stronger form
+                              generations=before)
         self._inv2()  # first: the first violation ends the run
         if not self.checker.violations:
             await self._timers_run()
@@ -1275,7 +1262,7 @@ class MoveWorld(World):
             db = instance_dir(self.root / "boxes" / claim.op.exec / "data", plan.host) / f"{plan.host}.db"
             self._inv2_rows(plan.host, db, f"the serving database on {claim.op.exec}")
 
-    async def _inv2_cold(self, *, uploaded_by: float) -> None:
+    async def _inv2_cold(self, *, uploaded_by: float, generations: dict[str, str]) -> None:
         """INV-2 on a cold restore from the bucket (issue 5 item 5): at quiescence the serving generation, restored
         with the production restore into a scratch file, holds every acknowledged write not declared lost; what a
         box served but never uploaded is lost with its disk, which is what this form catches. Replication is
@@ -1284,6 +1271,9 @@ class MoveWorld(World):
         for plan in self.workload.hosts:
             claim = self.checker.claims.get(plan.host)
             if claim is None or claim.holder is None or claim.op.exec not in self.slots:
+                continue
+            if generations.get(plan.host) != claim.holder.generation:
+                self.trace.emit("checker", f"inv2-cold: {plan.host} admitted into {claim.holder.generation} meanwhile")
                 continue
             region = claim.op.exec.rsplit("-", 1)[0]
             scratch = self.root / "inv2-cold" / f"{plan.host}.db"

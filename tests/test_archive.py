@@ -812,3 +812,41 @@ def test_chunk_nonce_and_aad_encode_index_and_final_flag() -> None:
     with pytest.raises(S.SealError, match="failed authentication"):
         opener.feed(one[: 4 + S.TAG_BYTES])
         opener.finish()  # the first chunk alone, read as final, does not authenticate
+
+
+def test_a_stage_of_one_block_steps_it_at_close_without_a_thread() -> None:
+    """A small tree's one block is stepped in the caller's thread at close; a second block starts the worker, which
+    steps every block in order; an error of the inline step is raised by close, not lost."""
+    seen: list[bytes] = []
+    started = threading.Thread.start
+    starts: list[str] = []
+
+    def counting(self: threading.Thread) -> None:
+        starts.append(self.name)
+        started(self)
+
+    threading.Thread.start = counting  # type: ignore[method-assign]
+    try:
+        one = A._Stage(lambda b: seen.append(bytes(b)), "one")
+        one.write(b"a")
+        assert seen == [] and starts == []
+        one.close()
+        assert seen == [b"a"] and starts == []
+        many = A._Stage(lambda b: seen.append(bytes(b)), "many")
+        for block in (b"b", b"c", b"d"):
+            many.write(block)
+        many.close()
+        assert seen == [b"a", b"b", b"c", b"d"] and starts == ["many"]
+    finally:
+        threading.Thread.start = started  # type: ignore[method-assign]
+
+    def fail(_block: bytes | bytearray) -> None:
+        raise OSError("the sink failed")
+
+    failing = A._Stage(fail, "failing")
+    failing.write(b"x")
+    with pytest.raises(OSError, match="the sink failed"):
+        failing.close()
+    dropped = A._Stage(fail, "dropped")
+    dropped.write(b"x")
+    dropped.abandon()  # an abandoned stage steps nothing and raises nothing

@@ -21,11 +21,13 @@ from bus.nats_log import NatsEventLog
 from bus.subjects import (
     FACTS_STREAM,
     LEDGER_STREAM,
+    WORK_STREAM,
     alert_subject,
     box_wake_subject,
     fact_subject,
     incident_subject,
     ledger_subject,
+    work_subject,
 )
 from events.claim import Claim, Op
 from events.envelope import Actor
@@ -33,6 +35,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import WallClock
 from services.ledger.ledger import Committed, Ledger
 from services.objstore.s3 import S3Store
+from tests.helpers.agents import eventually
 
 ACTOR = Actor(service="test", pid=1, nonce="asyncapi")
 
@@ -104,7 +107,7 @@ async def test_the_live_streams_carry_the_documented_channels(stack: StackInfo, 
     await store.create_bucket(bucket, versioned=True)
     try:
         live = {name: (await events.js.stream_info(name)).config.subjects or []
-                for name in (LEDGER_STREAM, FACTS_STREAM)}
+                for name in (LEDGER_STREAM, FACTS_STREAM, WORK_STREAM)}
         for ch in CHANNELS:
             if ch.stream is not None:
                 concrete = re.sub(r"\{[a-z_]+\}", "x", ch.address)
@@ -132,6 +135,10 @@ async def test_the_live_streams_carry_the_documented_channels(stack: StackInfo, 
             assert on is not None and on.stream == stream and on.payload is not None, msg.subject
             value = msgspec.json.decode(msg.data, type=on.payload)  # the documented type decodes what is on it
             assert getattr(value, "host", None) == host or getattr(value, "subject", None) == host
+        notice = await eventually(lambda: events.last(WORK_STREAM, work_subject("box-a", host)),
+                                  "the transition's work notice to box-a on its stream", 10)
+        on = channel_of(notice.subject)  # sent with no acknowledgement awaited: looked for until it is there
+        assert on is not None and on.name == "work-notice" and on.stream == WORK_STREAM and notice.data == b""
     finally:
         await store.delete_bucket(bucket)
         await store.close()

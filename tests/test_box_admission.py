@@ -12,6 +12,7 @@ import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
 from events import Actor, Claim
+from events.base import canonical, decode
 from events.claim import Admission, Holder, Op
 from hostmove.stackinfo import StackInfo
 from kernel.ports import ManualClock
@@ -121,6 +122,35 @@ def test_covered_records_are_trimmed_from_the_front_only() -> None:
     gens = [a.generation for a in out.holder.admissions]  # type: ignore[union-attr]
     assert gens[0] == "g3", "trimming stops at the first uncovered record"
     assert gens[-1] == "g11"
+
+
+def test_records_encode_without_their_defaults_and_decode_to_the_same_claim() -> None:
+    """Issue 16: an admission record's fields at their defaults are left out of the claim's bytes (the optional
+    ``writes_lost?`` and ``additional_writes_lost?`` of D§2.1, an empty coverage, covered false, mode cold), and a
+    claim written with every field spelled out decodes to the same value."""
+    c1 = admitted(serving_claim(), "g1")
+    c2 = admitted(c1, "g2", remote_max_txid=41)
+    body = canonical(c2)
+    quiet = msgspec.json.decode(body)["holder"]["admissions"][0]
+    assert set(quiet) == {"session", "box", "generation", "region", "predecessor"}, quiet
+    declared = msgspec.json.decode(body)["holder"]["admissions"][1]
+    assert declared["writes_lost"] == {"box": "ie-1", "session": 3, "generation": "g1", "remote_max_txid": 41}
+    assert "additional_writes_lost" not in declared and "covered" not in declared and "mode" not in declared
+    assert decode(body, Claim) == c2
+    full = msgspec.json.decode(body)  # as a writer before issue 16 spelled every field
+
+    def spell(rec: dict) -> dict:
+        out = {"predecessor_region": "", "mode": "cold", "coverage": "", "covered": False, "writes_lost": None,
+               "additional_writes_lost": [], **rec}
+        out["predecessor"] = {"session": 0, "box": "", "generation": "", "stamp": 0, **rec["predecessor"]}
+        if out["writes_lost"] is not None:
+            out["writes_lost"] = {"local_txid": 0, **out["writes_lost"]}
+        return out
+
+    full["holder"]["admissions"] = [spell(r) for r in full["holder"]["admissions"]]
+    spelled = msgspec.json.encode(full)
+    assert b'"additional_writes_lost":[]' in spelled and len(spelled) > len(body)
+    assert decode(spelled, Claim) == c2 and canonical(decode(spelled, Claim)) == body
 
 
 # -- the start check ------------------------------------------------------------------------------

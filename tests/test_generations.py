@@ -32,6 +32,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.config import probe_env
 from services.box.artifacts.filesmanifest import manifest_key
+from services.box.artifacts.markers import marker_key
 from services.box.instance.activator import Activator, AppSpec, BaselineRefused, BoxContext, Started
 from services.box.instance.coverage import MAX_ADMISSIONS, PARK_GENERATION, chore_name
 from services.box.instance.proctree import CgroupTree
@@ -44,6 +45,7 @@ from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.ledger.protocol import ProtocolCheck
 from services.move.park import FAST, Parker, destination
+from services.objstore.port import VersionEntry
 from services.objstore.s3 import S3Store
 from services.sweeper.generations import GenerationParks, event_kind
 from services.sweeper.retention import RetentionSweep
@@ -381,6 +383,40 @@ async def test_retention_deletes_old_archives_by_exact_versions(world: World, un
     assert len(manifests) == len({tuple(v.key.split("/")[2:4]) for v in archived}) + 1, manifests
     after = {(v.key, v.version_id) for v in await world.store.list_versions(bucket, claim.holder.location + "/")}
     assert after == live, "nothing of the live namespace is touched"
+
+
+async def test_the_serving_box_bounds_its_markers_noncurrent_versions(world: World,
+                                                                     unique: Callable[[str], str]) -> None:
+    """Issue 16 item 2: every cold admission's publication rewrites ``generation.json``; at rest the serving box
+    deletes its noncurrent versions older than ``H`` beyond the newest four, by version id, never the current one,
+    and nothing while another box executes the host."""
+    ctx = world.box("ie-t")
+    host = await setup_host(world, unique, ctx)
+    act = world.activator(ctx)
+    bucket = ctx.data_bucket
+    for _ in range(7):
+        assert isinstance(await act.wake(host), Started)
+        await act.stop(host)
+    claim = await world.claim(host)
+    assert claim.holder is not None and claim.op.kind == "serving" and claim.op.exec == "ie-t"
+    key = marker_key(claim.holder.location)
+
+    async def versions() -> list[VersionEntry]:
+        return [v for v in await world.store.list_versions(bucket, key) if v.key == key]
+
+    before = await versions()
+    assert len(before) >= 7, "each wake published the marker again"
+    current = next(v for v in before if v.is_latest)
+    await asyncio.sleep(1.2)  # the newest noncurrent version older than the one-second slack of LastModified
+    sweep = RetentionSweep("ie-t", "ie", world.store, bucket, WallClock(), retention_ms=60_000, horizon_ms=0)
+    elsewhere = msgspec.structs.replace(claim, op=msgspec.structs.replace(claim.op, exec="uk-t"))
+    assert await sweep.look(host, elsewhere, None, force=True) == [] and len(await versions()) == len(before)
+    did = await sweep.look(host, claim, None, force=True)
+    after = await versions()
+    assert did and 5 <= len(after) < len(before), (did, len(before), len(after))
+    assert next(v for v in after if v.is_latest).version_id == current.version_id, "the current marker stays"
+    assert not any(v.is_delete_marker for v in after)
+    assert await sweep.look(host, claim, None, force=True) == [], "nothing left to retire"
 
 
 def test_the_audit_flags_a_retirement_of_a_live_baseline() -> None:

@@ -12,9 +12,10 @@ from hostmove.stackinfo import StackInfo
 from kernel import rules
 from kernel.ports import WallClock
 from services.ledger.ledger import object_key
+from services.move.lease import lease_key
 from services.objstore.port import VersionEntry
 from services.objstore.s3 import S3Store
-from services.sweeper.history import LedgerHistory, noncurrent_to_retire
+from services.sweeper.history import LedgerHistory, journals_to_retire, noncurrent_to_retire
 
 KEY = object_key("claim", "h.example.com")
 
@@ -65,6 +66,60 @@ async def test_the_sweep_deletes_old_noncurrent_versions_by_id_on_seaweedfs(
         got = await store.get(bucket, KEY)
         assert getattr(got, "body", None) == b'{"gen": 9}', "the current version untouched"
         again = await LedgerHistory(store, bucket, WallClock(), horizon_ms=0, keep=1).look("h.example.com")
+        assert again == [], "nothing left to retire"
+    finally:
+        for e in await store.list_versions(bucket, ""):
+            await store.delete(bucket, e.key, version_id=e.version_id)
+        await store.delete_bucket(bucket)
+        await store.close()
+
+
+def test_journals_are_retired_per_key_outside_the_lanes_of_live_operations() -> None:
+    now, h, prefix = 100_000, 10_000, "moves/h.example.com/"
+    done, live = prefix + "mv_done/target.json", prefix + "mv_live/source.json"
+    listing = [entry(f"{k[-11:]}{i}", 1000 * i, key=k) for k in (done, live) for i in range(1, 5)]
+    listing += [entry("done-cur", 5000, latest=True, key=done), entry("live-cur", 5000, latest=True, key=live)]
+    listing += [entry("evidence", 1000, latest=True, key=prefix + "mv_done/stopped-source.json")]
+    out = journals_to_retire(listing, prefix, live_ops=frozenset({"mv_live"}), now_ms=now, horizon_ms=h, keep=1)
+    assert {e.key for e in out} == {done}, "the live operation's lane and a create-only object are untouched"
+    assert [e.last_modified_ms for e in out] == [1000, 2000, 3000], "the newest noncurrent one is kept"
+    both = journals_to_retire(listing, prefix, live_ops=frozenset(), now_ms=now, horizon_ms=h, keep=1)
+    assert {e.key for e in both} == {done, live} and not any(e.is_latest for e in both)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_sweep_bounds_staging_leases_and_move_journals_on_seaweedfs(
+        stack: StackInfo, unique: Callable[[str], str]) -> None:
+    """Issue 16 item 2: a lease renewed and journals rewritten in place keep one current version and the newest
+    noncurrent one; a live operation's journal, another region's lease (not in the roster) and create-only evidence
+    keep every version."""
+    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    bucket = unique("history")
+    await store.create_bucket(bucket, versioned=True)
+    host = "h.example.com"
+    lease, other = lease_key("uk", host), lease_key("us", host)
+    done, live = f"moves/{host}/mv_done/target.json", f"moves/{host}/mv_live/source.json"
+    evidence = f"moves/{host}/mv_done/stopped-source.json"
+    try:
+        await store.put(bucket, evidence, b"{}")
+        for i in range(6):
+            if i == 4:
+                await asyncio.sleep(2.5)  # the first four older than H (0 here) and the one-second slack
+            for key in (lease, other, done, live):
+                await store.put(bucket, key, f'{{"round": {i}}}'.encode())
+        sweep = LedgerHistory(store, bucket, WallClock(), horizon_ms=0, keep=1)
+        did = await sweep.look(host, regions=("ie", "uk"), live_ops=frozenset({"mv_live"}))
+        assert any("staging lease in uk" in d for d in did) and any("move journals" in d for d in did), did
+
+        async def versions(key: str) -> list[VersionEntry]:
+            return [e for e in await store.list_versions(bucket, key) if e.key == key]
+
+        assert len(await versions(lease)) == 2 and len(await versions(done)) == 2
+        assert len(await versions(other)) == 6 and len(await versions(live)) == 6 and len(await versions(evidence)) == 1
+        for key in (lease, done):
+            got = await store.get(bucket, key)
+            assert getattr(got, "body", None) == b'{"round": 5}', f"the current {key} untouched"
+        again = await sweep.look(host, regions=("ie", "uk"), live_ops=frozenset({"mv_live"}))
         assert again == [], "nothing left to retire"
     finally:
         for e in await store.list_versions(bucket, ""):

@@ -15,6 +15,7 @@ from kernel.ports import WallClock
 from services.objstore.s3 import S3Store
 from services.target.budget import FAST_BUDGET, Rates, t11
 from services.target.rates import RateProbe
+from services.target.readiness import storage_probe
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -33,6 +34,12 @@ async def test_the_box_measures_its_rates_and_caches_them(stack: StackInfo, uniq
             "ie"}
         assert await probe.rates("ie") == first, "fresh: the cache answers"
         assert await store.list_keys(own, ".carlos-move-probe/") == [] and await store.list_keys(peer, "moves/") == []
+        # issue 16 item 2: in its own bucket the box deletes the versions its PUTs made, leaving no noncurrent version
+        # or delete marker; in the peer's it may only delete bare (M17), which leaves both
+        assert await store.list_versions(own, ".carlos-move-probe/") == []
+        assert any(v.is_delete_marker for v in await store.list_versions(peer, "moves/"))
+        assert await storage_probe(store, own, "h-mv") == (True, "")
+        assert await store.list_versions(own, ".carlos-move-probe/") == [], "T4's probe leaves no version either"
         probe.max_age_s = 0
         again = await probe.rates("ie")
         assert again is not None and again != first, "stale: measured again"

@@ -969,6 +969,36 @@ async def test_t5_the_archive_opens_only_with_this_box_key(world: World, tmp_pat
     assert not ok
 
 
+async def test_t5_an_archive_is_extracted_once_per_key_and_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target reassesses each round: the same sealed bytes, manifest, op, incarnation and key give the verdict kept
+    from the first extraction; another key (or op) is extracted and judged on its own."""
+    from services.target import readiness
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "a").write_text("a")
+    key, other = generate_private_key(), generate_private_key()
+    out = io.BytesIO()
+    body = manifest_bytes(build_archive(files, None, out, key.public_key(), host="h", op_id=MV, incarnation=INC))
+    extracted: list[object] = []
+    real = readiness.extract
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        extracted.append(args[2])
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(readiness, "extract", counting)
+    monkeypatch.setattr(readiness, "_OPENED", {})
+    for _ in range(3):
+        assert await archive_opens(out.getvalue(), body, key, op=MV, incarnation=INC) == (True, "")
+    assert extracted == [key]
+    for _ in range(2):
+        ok, why = await archive_opens(out.getvalue(), body, other, op=MV, incarnation=INC)
+        assert not ok and "does not open" in why
+    ok, _why = await archive_opens(out.getvalue(), body, key, op=MV, incarnation="02" * 32)
+    assert not ok and extracted == [key, other, key]
+
+
 async def test_the_landing_deadline_rolls_back_mid_landing(world: World, unique: Callable[[str], str]) -> None:
     """§7.8 trigger: past ``landing_deadline`` the target does not continue a phase; it records the rollback."""
     host = f"{unique('ldl')}.example.com"

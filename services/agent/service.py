@@ -4,9 +4,13 @@ The agent is the box runtime (the activator that owns the box's instance process
 workers, both sides (:mod:`services.agent.sides`): the source side for moves leaving this box, the target side for
 moves landing on it. It keeps nothing that matters in memory:
 
-- **Wake-ups.** Every ledger event (core NATS on ``hm.ledger.>``) marks its host dirty; a scan of the claims
-  every ``scan_s`` (``HOSTMOVE_SCAN_S``) marks every host whose claim names this box (``op.exec`` or a
-  participant), so a missed event, a restart or a deadline is picked up without one. A step that must wait (a
+- **Wake-ups** (issue 19 item 1). The box's durable consumer ``box-<label>`` on ``HM_WORK`` delivers the work
+  notices the ledger sends this box (:mod:`services.ledger.notices`: one per transition naming it), each marking
+  its host dirty and acknowledged once a pass of that host has ended well, so a notice sent while the agent was
+  down, or taken by an agent that died before its pass, wakes the next agent (:meth:`BoxAgent.consume`). A scan of
+  the claims every ``scan_s`` (``HOSTMOVE_SCAN_S``; the first one ``scan_s`` after the start, the hosts the box
+  holds locally passed at once) marks every host whose claim names this box (``op.exec`` or a participant), so a
+  lost notice or a deadline is picked up without one. A step that must wait (a
   park's horizon, a preparing round's pace) schedules its own wake.
 - **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
   the workers re-read again before every write (K5) and every phase is journaled before its effects, so a
@@ -39,9 +43,10 @@ from urllib.parse import quote, unquote
 
 import aiohttp
 
+from bus.consumers import ConsumingLog, Delivery
 from bus.facts import Fact, publish_alert
-from bus.log import EventLog, LogError, LogUnavailable, unavailable_reason
-from bus.subjects import LEDGER_PREFIX, SubjectError, box_wake_subject, parse_ledger_subject
+from bus.log import LogError, LogUnavailable, unavailable_reason
+from bus.subjects import WORK_STREAM, SubjectError, box_durable, box_wake_subject, parse_work_subject, work_filter
 from events.claim import Claim
 from events.record import Record
 from kernel import metrics, ports, rules
@@ -82,6 +87,7 @@ from services.box.instance.activator import (
     StartPolicy,
     StartRefused,
 )
+from services.box.instance.coverage import lost_owner_chores
 from services.box.instance.instances import Instances
 from services.box.instance.peer import answered_by_leaf
 from services.box.instance.proctree import ProcessTree
@@ -267,10 +273,15 @@ class PassResult:
     again_in_s: float | None = None
 
 
+NOTICE_ACK_WAIT_S = 30.0
+"""How long a work notice delivered to an agent waits for its acknowledgement before the server delivers it again:
+an agent that died with it unacknowledged is replaced within this (issue 19 item 1)."""
+
+
 class BoxAgent:
     """One box's runtime and move workers (see the module doc)."""
 
-    def __init__(self, cfg: BoxConfig, *, store: ObjectStore, bucket: str, events: EventLog, ledger: Ledger,
+    def __init__(self, cfg: BoxConfig, *, store: ObjectStore, bucket: str, events: ConsumingLog, ledger: Ledger,
                  clock: Clock, rng: Random, tree: ProcessTree, probe_factory: ProbeFactory | None = None,
                  timing: AgentTiming | None = None, faults: Callable[[str], None] | None = None,
                  app: AppSpec | None = None, rates: Callable[[str], Awaitable[Rates | None]] | None = None) -> None:
@@ -336,6 +347,7 @@ class BoxAgent:
         self._dirty: set[str] = set()
         self._due: dict[str, float] = {}
         self._wake = asyncio.Event()
+        self._notices: dict[str, list[Delivery]] = {}  # per host, delivered and not acknowledged: its pass's
         self._held_off: dict[str, _HeldOff] = {}
         self._timer_runner: TimerRunner | None = None
         self._faults = faults
@@ -703,10 +715,11 @@ class BoxAgent:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def scan(self) -> set[str]:
-        """Every host whose claim names this box (exec or participant); the others get the region's straggler
-        sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can be older than the
-        object (a store's listing lags its writes, as the simulation's does), and a claim kept from an older read
-        missed a move naming this box until its prepare bound aborted it (move seed 44)."""
+        """Every host whose claim names this box (exec, participant or a chore's owner, K8, or a lost box's chore in
+        its region to adopt, §7.10); the others get the
+        region's straggler sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can
+        be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept
+        from an older read missed a move naming this box until its prepare bound aborted it (move seed 44)."""
         keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
         hosts = set()
         for key in keys:
@@ -722,6 +735,8 @@ class BoxAgent:
                                       or host in self.instances):
                 hosts.add(host)
             elif claim is not None:
+                if any(o.owner == self.label for o in claim.obligations) or lost_owner_chores(claim, self.cfg.region):
+                    hosts.add(host)  # its pass runs the park-generation chores (the sweep below, its park-sweeps)
                 await self._sweep(host, claim)
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
@@ -757,17 +772,68 @@ class BoxAgent:
         taken, self._dirty = self._dirty, set()
         return taken
 
-    async def wake_on(self, nc: Any) -> list[Any]:
-        """Subscribe (core NATS) to the ledger's subjects, each event marking its host dirty, and to this box's
-        wake requests (``hm.box.<label>.wake``, the body a host name): answered ``{"host", "running"}`` at once;
-        the router then polls the box's edge table (:func:`read_endpoint`) for the woken instance."""
+    @property
+    def durable(self) -> str:
+        return box_durable(self.label)
 
-        async def cb(msg: Any) -> None:
+    async def consume(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: this box's work notices, each marking its host dirty (issue 19 item 1). The consumer is
+        declared first (idempotent), again after a failed fetch; an outage waits ``retry_s``. A delivery stays
+        unacknowledged until a pass of its host ends well (:meth:`take_notices`, :meth:`settle_notices`): one
+        redelivered after the ack wait only marks its host dirty again."""
+        declared, failing = False, ""
+        while not stop.is_set():
             try:
-                _obj, host = parse_ledger_subject(msg.subject)
-            except SubjectError:
-                return
-            self.notify(host)
+                if not declared:
+                    await self.events.add_consumer(WORK_STREAM, self.durable, filter_subject=work_filter(self.label),
+                                                   ack_wait_s=NOTICE_ACK_WAIT_S)
+                    declared = True
+                deliveries = await self.events.fetch(WORK_STREAM, self.durable, batch=64,
+                                                     timeout=max(self.timing.scan_s, 1.0))
+            except LogError as exc:  # LogUnavailable included: declared again after; named once, not per retry
+                declared = False
+                if not failing:
+                    log.warning("work notices of %s not fetched (the scan stands in): %s", self.label, exc,
+                                extra=ctx(box=self.label, phase="consume", reason=exc, durable=self.durable))
+                failing = str(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.timing.retry_s)
+                continue
+            if failing:
+                log.info("work notices of %s are fetched again", self.label,
+                         extra=ctx(box=self.label, phase="consume", durable=self.durable))
+                failing = ""
+            for d in deliveries:
+                metrics.delivered(self.durable, d.num_delivered)
+                try:
+                    box, host = parse_work_subject(d.msg.subject)
+                except SubjectError:
+                    box, host = "", ""
+                if box != self.label or not host:  # not this box's: nothing to do, never redelivered
+                    with contextlib.suppress(LogError):
+                        await d.ack()
+                    continue
+                self._notices.setdefault(host, []).append(d)
+                self.notify(host)
+
+    def take_notices(self, host: str) -> list[Delivery]:
+        """The notices of ``host`` delivered so far: a pass starting now answers them."""
+        return self._notices.pop(host, [])
+
+    async def settle_notices(self, host: str, taken: list[Delivery], ok: bool) -> None:
+        """After a pass of ``host``: acknowledge what it answered, or keep it for the next pass (best effort: an
+        acknowledgement lost is one redelivery, a dirty host)."""
+        if not ok:
+            self._notices[host] = taken + self._notices.get(host, [])
+            return
+        for d in taken:
+            with contextlib.suppress(LogError):
+                await d.ack()
+
+    async def wake_on(self, nc: Any) -> list[Any]:
+        """Subscribe (core NATS) to this box's wake requests (``hm.box.<label>.wake``, the body a host name):
+        answered ``{"host", "running"}`` at once; the router then polls the box's edge table (:func:`read_endpoint`)
+        for the woken instance. (The ledger's news comes through :meth:`consume`.)"""
 
         async def wake(msg: Any) -> None:
             if msg.subject != box_wake_subject(self.label):  # a stream's message redelivered here is no wake (8274)
@@ -784,8 +850,7 @@ class BoxAgent:
             if msg.reply:
                 await msg.respond(json.dumps(body).encode())
 
-        return [await nc.subscribe(f"{LEDGER_PREFIX}.>", cb=cb),
-                await nc.subscribe(box_wake_subject(self.label), cb=wake)]
+        return [await nc.subscribe(box_wake_subject(self.label), cb=wake)]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: scan, pass the dirty and the due hosts, sleep until the next wake."""
@@ -805,12 +870,14 @@ class BoxAgent:
         for path in sorted((self.cfg.box_dir / "endpoints").glob("*.json")):  # a dead agent's edge table is stale
             self.publish_endpoint(unquote(path.name[: -len(".json")]))
         timers = asyncio.ensure_future(self._timer_loop(stop))
+        notices = asyncio.ensure_future(self.consume(stop))
         try:
             await self._pass_loop(stop)
         finally:
-            timers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await timers
+            for task in (timers, notices):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _timer_loop(self, stop: asyncio.Event) -> None:
         """The timer runner, beside the passes (a long landing must not starve a due timer); the cut drains its
@@ -843,10 +910,13 @@ class BoxAgent:
 
     async def pass_one(self, host: str) -> None:
         """One host's pass as the loop runs it: an outage or an error is this host's only (logged, due again after
-        ``retry_s``); its edge entry is published and its next wake scheduled; the loop is woken."""
+        ``retry_s``); its edge entry is published and its next wake scheduled; the loop is woken. The work notices
+        delivered before it started are acknowledged when it ends well."""
+        taken, ok = self.take_notices(host), False
         try:
             result = await self.pass_host(host)
             self._outage(None)
+            ok = True
         except (LogUnavailable, StoreUnavailable) as exc:  # the outage is named once, not per pass
             self._outage(f"{dependency_of(exc)}: {exc}")
             result = PassResult(host, again_in_s=self.timing.retry_s)
@@ -857,6 +927,7 @@ class BoxAgent:
             result = PassResult(host, again_in_s=self.timing.retry_s)
         finally:
             self._wake.set()  # the loop starts what waited for this pass
+        await self.settle_notices(host, taken, ok)
         for line in result.did:
             log.info("%s: %s", host, line, extra=ctx(host=host, box=self.label, step=line))
         self.publish_endpoint(host)
@@ -879,7 +950,11 @@ class BoxAgent:
             await pool.cancel()
 
     async def _loop(self, stop: asyncio.Event, pool: PassPool) -> None:
-        next_scan = self.clock.monotonic()
+        # What the box holds locally at once (its instances and its route rows: a host it served before a restart);
+        # everything else its notices bring, the scan only after scan_s (a restart needs no scan: its consumer
+        # resumes from its acknowledgement floor, issue 19 item 1).
+        self._dirty |= set(self.instances) | {row.host for row in self.registry.rows()}
+        next_scan = self.clock.monotonic() + self.timing.scan_s
         while not stop.is_set():
             now = self.clock.monotonic()
             bus_down = unavailable_reason(self.events)

@@ -25,13 +25,14 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
 from urllib.parse import quote
 
 import msgspec
 
 from bus.log import EventLog, LogError, LogUnavailable, StoredMessage, WrongLastSequence
-from bus.subjects import LEDGER_STREAM, ledger_msg_id, ledger_subject
+from bus.subjects import LEDGER_STREAM, WORK_STREAM, SubjectError, ledger_msg_id, ledger_subject, work_subject
 from events.base import canonical, decode, validate_ident
 from events.claim import Claim
 from events.durable import DurableValueError
@@ -41,6 +42,7 @@ from kernel import metrics, rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.ledger.movelog import MoveLog
+from services.ledger.notices import boxes_concerned
 from services.objstore.port import Got, Lost, ObjectStore
 
 log = logging.getLogger("hostmove.ledger")
@@ -144,9 +146,11 @@ Decision: TypeAlias = S | NoChange | Refusal  # noqa: UP040 - generic alias, py3
 Outcome: TypeAlias = Committed[S] | NoChange | Refusal | Conflict  # noqa: UP040
 
 
+@lru_cache(maxsize=4096)
 def object_key(obj: ObjectKind, host: str) -> str:
     """``control/hosts/<host>.json`` or ``control/records/<host>.json``; odd characters are
-    percent-encoded so the key is one path segment and the mapping is reversible."""
+    percent-encoded so the key is one path segment and the mapping is reversible. Remembered: every read and
+    CAS of a host's objects names its key (an invalid host raises each time, nothing is kept for it)."""
     validate_host(host)
     return f"{_PREFIXES[obj]}{quote(host, safe='.-_~@+')}.json"
 
@@ -196,6 +200,8 @@ class Ledger:
         # subject -> (gen, seq) of the newest event this process saw on the stream. A hint only:
         # every publish is conditional on it, so a stale hint costs a retry, never a gap.
         self._published: dict[str, tuple[int, int]] = {}
+        self._claims_seen: dict[str, Claim] = {}  # the newest claim of each host this process read or wrote: the
+        # boxes a record's transition concerns (a record writer revalidates against the claim first, K5)
         # (obj, host) -> the bytes and metadata last read and what they validated to. Reads stay fresh (every read
         # is a GET); only the decoding of bytes already decoded is skipped: the same bytes and metadata give the same
         # frozen value, and anything else is validated from scratch.
@@ -221,9 +227,13 @@ class Ledger:
             sha, raw_meta = got.metadata.get(META_SHA), got.metadata.get(META_EVENT)
             seen = self._decoded.get((obj, host))
             if seen is not None and seen[0] == got.body and seen[1] == sha and seen[2] == raw_meta:
+                if obj == "claim":
+                    self._claims_seen[host] = seen[3]
                 return Current(seen[3], got.etag, got.version_id, seen[4], got.body)
             state, meta = self._validate(obj, host, got), self._meta(got)
             self._decoded[(obj, host)] = (got.body, sha, raw_meta, state, meta)
+            if obj == "claim":
+                self._claims_seen[host] = state
             return Current(state, got.etag, got.version_id, meta, got.body)
         except DurableValueError as exc:
             raise BadObject(exc, obj=obj, host=host, key=key, etag=got.etag, size=len(got.body)) from None
@@ -329,6 +339,9 @@ class Ledger:
             self._fault("after_cas")
             self._fault(f"after_cas:{obj}:{meta_name}")
             seq = await self._publish_after_cas(obj, host, new, meta, prev_seq)
+            if isinstance(new, Claim):
+                self._claims_seen[host] = new
+            await self._notify_boxes(host, cur.state, new)  # type: ignore[arg-type]
             if self.movelog is not None:  # §13: the transition's writer logs it
                 await self.movelog.note(cur.state, new, meta)
             self._fault("after_publish")
@@ -347,6 +360,17 @@ class Ledger:
             log.warning("event for %s %s gen %d not published yet: %s", obj, host, state.gen, exc,
                         extra=ctx(host=host, op_id=_op_id(state), phase="publish", reason=exc, obj=obj, gen=state.gen))
             return None
+
+    async def _notify_boxes(self, host: str, prev: Claim | Record | None, new: Claim | Record) -> None:
+        """A work notice to each box the transition concerns (:mod:`services.ledger.notices`): fire and forget, a
+        lost one is the reconciliation scan's (issue 19 items 1, 2)."""
+        claim = self._claims_seen.get(host) if isinstance(new, Record) else None
+        for box in boxes_concerned(prev, new, claim):
+            try:
+                await self.events.notice(WORK_STREAM, work_subject(box, host))
+            except (LogError, SubjectError) as exc:
+                log.info("work notice of %s to %s not sent: %s", host, box, exc,
+                         extra=ctx(host=host, box=box, phase="notice", reason=exc))
 
     # -- publishing -------------------------------------------------------------------------------
 

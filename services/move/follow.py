@@ -18,6 +18,7 @@ succeed and neither can write anything the record did not decide.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
 
@@ -45,9 +46,11 @@ rules.register(
 MOVE_KINDS = frozenset({"moving", "landing", "reverting", "restoring"})
 
 
+@lru_cache(maxsize=4096)
 def host_segment(host: str) -> str:
     """The host as one percent-encoded key segment, as the ledger's, the evidence's and the reports' keys write it
-    (``services/ledger/ledger.py``, ``services/box/instance/evidence.py evidence_key``)."""
+    (``services/ledger/ledger.py``, ``services/box/instance/evidence.py evidence_key``). Remembered: the passes
+    name it for every host they look at."""
     return quote(host, safe=".-_~@+")
 
 

@@ -16,7 +16,8 @@ For every host with a record, with no memory of its own:
 - relocates the hosts of a fenced box (:mod:`services.recovery.relocation`): a serving host of a fenced box to
   ``relocating`` at ``pinning``, and from there to its region's replacement box once one is enrolled (alerting
   once while none is);
-- bounds the claim and record history of each host at rest (:mod:`services.sweeper.history`): noncurrent versions
+- bounds the history of each host at rest (:mod:`services.sweeper.history`: its claim and record, its staging lease in
+  each region of the roster, its move journals): noncurrent versions
   older than ``H`` and beyond the newest four are deleted by exact version id, at most once per
   :data:`HISTORY_EVERY_MS` per host (the console's, since ruling M17 lets no box delete in the deployment bucket, C5a).
 
@@ -115,7 +116,7 @@ class PassReport:
     alerts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
-    """Noncurrent claim and record versions deleted (:mod:`services.sweeper.history`)."""
+    """Noncurrent versions deleted (claims, records, staging leases, move journals: :mod:`services.sweeper.history`)."""
     unavailable: tuple[str, str] | None = None
     """``(dependency, reason)`` when an outage stopped the pass (``nats`` or ``s3``); the rest was not looked at."""
 
@@ -219,7 +220,11 @@ class RecoveryPass:
         at_rest = claim is not None and claim.op.kind == "serving" and (record is None or record.move is None)
         if at_rest and self._history_next.get(host, 0) <= now:  # at rest, at most once per history_every_ms
             self._history_next[host] = now + self.history_every_ms
-            report.history += await self.history.look(host)
+            regions = tuple(sorted({b.region for b in self._roster.boxes})) if self._roster is not None else ()
+            live = frozenset(i for i in (claim.op.id if claim is not None else "",
+                                         record.move.id if record is not None and record.move is not None else "")
+                             if i)
+            report.history += await self.history.look(host, regions=regions, live_ops=live)
 
     async def _deadline_rollback(self, host: str, record: Record, report: PassReport) -> None:
         """§7.8's ``landing_deadline`` trigger, then the claim half it decided (§7.5)."""

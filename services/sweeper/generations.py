@@ -31,11 +31,13 @@ from services.box.artifacts.filesmanifest import read_manifest
 from services.box.artifacts.markers import normalize
 from services.box.instance.coverage import (
     chore_generation,
+    decide_adopt_chore,
     decide_generation_parked,
+    lost_owner_chores,
     pending_generation_chores,
     retire_refusal,
 )
-from services.ledger.ledger import Committed, Ledger, NoChange
+from services.ledger.ledger import Committed, Ledger, NoChange, Refusal
 from services.move.park import Acknowledged, Parker, ParkError
 
 log = logging.getLogger("hostmove.sweeper")
@@ -80,9 +82,20 @@ class GenerationParks:
         did: list[str] = []
         retired: list[str] = []
         wakes: list[int] = []
-        if isinstance(claim, NoRead):
-            claim = (await self.ledger.read_claim(host)).state
-        for chore in pending_generation_chores(claim, self.box):
+        current = (await self.ledger.read_claim(host)).state if isinstance(claim, NoRead) else claim
+        for lost in lost_owner_chores(current, self.region):  # a lost box's chores in this region: adopted first
+
+            def adopt(cur: Claim | None, chore: Obligation = lost) -> Claim | NoChange | Refusal:
+                return decide_adopt_chore(cur, chore, self.box)
+
+            adopted = await self.ledger.transition("claim", host, "park-generation-adopted", adopt,
+                                                   causation=f"{lost.op}:{lost.owner}->{self.box}")
+            if isinstance(adopted, Committed):
+                current = adopted.state
+                did.append(f"park-generation {chore_generation(lost) or 'origin'}: adopted from lost {lost.owner}")
+                log.info("park-generation of %s %s adopted from the lost box %s", host, chore_generation(lost),
+                         lost.owner, extra=ctx(host=host, box=self.box, phase="park-generation", owner=lost.owner))
+        for chore in pending_generation_chores(current, self.box):
             line, wake, done = await self._one(host, chore)
             did.append(line)
             if wake is not None:

@@ -1,5 +1,5 @@
-"""The noncurrent history of a host's claim and record, bounded (issue 16 "Bounded storage"; claim C5a; §6.4's
-horizon ``H``; rule ``ledger-history-bounded``).
+"""The noncurrent history of a host's claim and record, staging leases and move journals, bounded (issue 16
+"Bounded storage"; claim C5a; §6.4's horizon ``H``; rule ``ledger-history-bounded``).
 
 The claim and the record are rewritten by CAS in a versioned bucket, so every transition (each wake's admission and
 publication, each step of a move) leaves the version it replaced behind as a noncurrent version, for ever. Nothing
@@ -11,6 +11,14 @@ version of ``control/hosts/<host>.json`` and ``control/records/<host>.json`` by 
 older than ``H`` and beyond the newest :data:`KEEP_NONCURRENT` noncurrent ones (an operator's recent history, by
 hand). Never the current version, never a delete marker (a claim or record is never deleted, C5a: there are none),
 nothing on a listing error (it raises before any delete). :func:`noncurrent_to_retire` is the pure decider.
+
+The same holds for the other objects of a host the deployment bucket rewrites in place (issue 16 item 2, found by
+``bench/retention``'s per-object version listing): its staging lease in each region of the roster
+(``control/staging-leases/<region>/<host>.json``, renewed every preparing round, §7.3) and the journals of its moves
+under ``moves/<host>/<op>/`` (``source.json`` and ``target.json`` rewritten at each assessment, ``staged-source.json``
+at each mirror round, §7.3), a move leaving hundreds of noncurrent versions of each. Their current versions are what
+the door's status, an operator and the audit read, and they stay; nothing under the lane of an operation the claim
+or the record still names is touched (:func:`journals_to_retire`), and the sweep runs only at rest.
 
 An S3 lifecycle rule (``NoncurrentVersionExpiration``) would do the same where a store honours it; SeaweedFS 4.48
 stores such a rule and reads it back, but evaluates it only in its admin lifecycle worker at day granularity, which
@@ -27,6 +35,8 @@ from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
 from services.ledger.ledger import object_key
+from services.move.follow import host_segment
+from services.move.lease import lease_key
 from services.objstore.port import ObjectStore, VersionEntry, Won
 
 log = logging.getLogger("hostmove.sweeper")
@@ -64,9 +74,24 @@ def noncurrent_to_retire(entries: list[VersionEntry], key: str, *, now_ms: int, 
                   key=lambda e: e.last_modified_ms)
 
 
+def journals_to_retire(entries: list[VersionEntry], prefix: str, *, live_ops: frozenset[str], now_ms: int,
+                       horizon_ms: int, keep: int = KEEP_NONCURRENT) -> list[VersionEntry]:
+    """Of a listing of a host's move journals (``prefix`` is ``moves/<host>/``), what :func:`noncurrent_to_retire`
+    names for each key, except under the lane of an operation in ``live_ops`` (one the claim or the record still
+    names). Pure."""
+    keys = sorted({e.key for e in entries if e.key.startswith(prefix)})
+    out: list[VersionEntry] = []
+    for key in keys:
+        if key[len(prefix):].split("/", 1)[0] in live_ops:
+            continue
+        out += noncurrent_to_retire(entries, key, now_ms=now_ms, horizon_ms=horizon_ms, keep=keep)
+    return out
+
+
 @dataclass
 class LedgerHistory:
-    """Deletes what :func:`noncurrent_to_retire` names for one host, in the deployment bucket."""
+    """Deletes what :func:`noncurrent_to_retire` names for one host, in the deployment bucket: its claim and record,
+    its staging lease in each of ``regions``, and its move journals outside the lanes of ``live_ops``."""
 
     store: ObjectStore
     bucket: str
@@ -74,22 +99,33 @@ class LedgerHistory:
     horizon_ms: int
     keep: int = KEEP_NONCURRENT
 
-    async def look(self, host: str) -> list[str]:
+    async def look(self, host: str, *, regions: tuple[str, ...] = (), live_ops: frozenset[str] = frozenset()
+                   ) -> list[str]:
         did: list[str] = []
-        for obj in ("claim", "record"):
-            key = object_key(obj, host)  # type: ignore[arg-type]
+        objects = [(obj, object_key(obj, host)) for obj in ("claim", "record")]  # type: ignore[arg-type]
+        objects += [(f"staging lease in {region}", lease_key(region, host)) for region in regions]
+        for obj, key in objects:
             now = self.clock.now_ms()
             entries = await self.store.list_versions(self.bucket, key)  # an error raises: nothing deleted
             retire = noncurrent_to_retire(entries, key, now_ms=now, horizon_ms=self.horizon_ms, keep=self.keep)
-            deleted = 0
-            for e in retire:
-                out = await self.store.delete(self.bucket, key, version_id=e.version_id)
-                deleted += isinstance(out, Won)
-            if deleted:
-                did.append(f"{deleted} noncurrent version(s) of the {obj} deleted")
-                log.info("%d noncurrent version(s) of the %s of %s deleted by version id", deleted, obj, host,
-                         extra=ctx(host=host, phase="ledger-history", obj=obj, objects=deleted))
+            await self._delete(host, obj, retire, did)
+        prefix = f"moves/{host_segment(host)}/"
+        now = self.clock.now_ms()
+        entries = await self.store.list_versions(self.bucket, prefix)
+        retire = journals_to_retire(entries, prefix, live_ops=live_ops, now_ms=now, horizon_ms=self.horizon_ms,
+                                    keep=self.keep)
+        await self._delete(host, "move journals", retire, did)
         return did
 
+    async def _delete(self, host: str, obj: str, retire: list[VersionEntry], did: list[str]) -> None:
+        deleted = 0
+        for e in retire:
+            out = await self.store.delete(self.bucket, e.key, version_id=e.version_id)
+            deleted += isinstance(out, Won)
+        if deleted:
+            did.append(f"{deleted} noncurrent version(s) of the {obj} deleted")
+            log.info("%d noncurrent version(s) of the %s of %s deleted by version id", deleted, obj, host,
+                     extra=ctx(host=host, phase="ledger-history", obj=obj, objects=deleted))
 
-__all__ = ["KEEP_NONCURRENT", "LedgerHistory", "noncurrent_to_retire"]
+
+__all__ = ["KEEP_NONCURRENT", "LedgerHistory", "journals_to_retire", "noncurrent_to_retire"]

@@ -16,6 +16,12 @@ deployment's retention (seven days by default, :data:`DEFAULT_RETENTION_MS`; ``H
   a replay finishes it from there, and one ``retention-deleted`` fact reports each retirement.
 
 The planner is pure (:func:`plan_retention`); :class:`RetentionSweep` is the thin runner the box agent calls.
+
+The serving box also bounds the noncurrent history of its location's ``generation.json`` (issue 16 item 2: every
+cold admission's publication rewrites it, §5.1 step 9, so a host that never moves kept one version a wake for ever):
+at rest, what :func:`services.sweeper.history.noncurrent_to_retire` names (older than ``H``, beyond the newest
+four, never the current version) is deleted by exact version id. Nothing reads a noncurrent marker: the start check,
+the publication's If-Match and the restore read the current one.
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ from events.record import Record
 from kernel import rules
 from kernel.logctx import ctx
 from kernel.ports import Clock
+from services.box.artifacts.markers import marker_key
 from services.move.follow import host_segment
-from services.objstore.port import Got, Lost, ObjectStore, VersionEntry
+from services.move.park import PRODUCTION
+from services.objstore.port import Got, Lost, ObjectStore, VersionEntry, Won
+from services.sweeper.history import noncurrent_to_retire
 
 log = logging.getLogger("hostmove.sweeper")
 
@@ -169,6 +178,8 @@ class RetentionSweep:
     events: EventLog | None = None
     actor: Actor | None = None
     every_ms: int = 60_000
+    horizon_ms: int = PRODUCTION.signature_age_ms + 120_000
+    """``H`` of the park timing (§5.3): a noncurrent marker version younger than this is kept."""
     _next: dict[str, int] = field(default_factory=dict)
 
     async def look(self, host: str, claim: Claim | None, record: Record | None, *, force: bool = False) -> list[str]:
@@ -184,7 +195,22 @@ class RetentionSweep:
             for entry in plan_retention(group_entries(host, area, versions), now_ms=self.clock.now_ms(),
                                         retention_ms=self.retention_ms, busy=busy):
                 did.append(await self._delete(host, entry))
-        return did
+        return did + await self._marker_history(host, claim)
+
+    async def _marker_history(self, host: str, claim: Claim | None) -> list[str]:
+        """The serving box, at rest: the noncurrent versions of its location's ``generation.json`` (module doc)."""
+        if claim is None or claim.holder is None or claim.op.kind != "serving" or claim.op.exec != self.box:
+            return []
+        key = marker_key(claim.holder.location)
+        entries = await self.store.list_versions(self.bucket, key)
+        deleted = 0
+        for e in noncurrent_to_retire(entries, key, now_ms=self.clock.now_ms(), horizon_ms=self.horizon_ms):
+            deleted += isinstance(await self.store.delete(self.bucket, key, version_id=e.version_id), Won)
+        if not deleted:
+            return []
+        log.info("%d noncurrent version(s) of %s deleted by version id", deleted, key,
+                 extra=ctx(host=host, box=self.box, phase="marker-history", objects=deleted))
+        return [f"{deleted} noncurrent version(s) of generation.json deleted"]
 
     async def _delete(self, host: str, entry: Entry) -> str:
         key = manifest_key(host, entry)

@@ -328,7 +328,8 @@ class StragglerSweep:
         self.generations = GenerationParks(self.box, self.region, self.ledger, self.parker, self.events)
         self.lost_parks = LostRegionParks(self.box, self.region, self.ledger, self.parker)
         self.retention = RetentionSweep(self.box, self.region, self.parker.store, self.parker.bucket, self.clock,
-                                        events=self.events, actor=self.ledger.actor)
+                                        events=self.events, actor=self.ledger.actor,
+                                        horizon_ms=self.parker.timing.horizon_ms(Scope(location="instances")))
         if self.retention_ms is not None:
             self.retention.retention_ms = self.retention_ms
             self.retention.every_ms = max(min(self.retention_ms // 2, 60_000), 500)

@@ -28,7 +28,7 @@ from typing import Any
 
 from kernel.fsutil import atomic_write
 from kernel.ports import Clock, blocking
-from services.objstore.port import Got, ObjectStore, StoreError
+from services.objstore.port import Got, ObjectStore, StoreError, Won
 from services.target.budget import Rates
 
 MIB = 1 << 20
@@ -92,26 +92,36 @@ class RateProbe:
         size = self.s3_mib * MIB // self.in_flight
         return [(f"{prefix}rates-{self.label}-{i}", os.urandom(size)) for i in range(self.in_flight)]
 
-    async def _put_all(self, bucket: str, objects: list[tuple[str, bytes]]) -> float:
+    async def _put_all(self, bucket: str, objects: list[tuple[str, bytes]],
+                       versions: dict[str, str] | None = None) -> float:
+        """PUT every object at once; the seconds it took. ``versions`` collects the version each PUT made."""
         started = self.clock.monotonic()
-        await asyncio.gather(*(self.store.put(bucket, key, body) for key, body in objects))
+        outs = await asyncio.gather(*(self.store.put(bucket, key, body) for key, body in objects))
+        if versions is not None:
+            versions.update({key: out.version_id for (key, _body), out in zip(objects, outs, strict=True)
+                             if isinstance(out, Won) and out.version_id})
         return self.clock.monotonic() - started
 
-    async def _delete_all(self, bucket: str, objects: list[tuple[str, bytes]]) -> None:
+    async def _delete_all(self, bucket: str, objects: list[tuple[str, bytes]],
+                          versions: dict[str, str] | None = None) -> None:
+        """Delete every object: by the version its PUT made where ``versions`` names one (this box's own bucket: no
+        noncurrent version or delete marker of a 1 MiB probe is left, issue 16 item 2), else bare (another region's
+        bucket, where M17 grants only a bare delete)."""
         for key, _body in objects:
             with contextlib.suppress(StoreError):
-                await self.store.delete(bucket, key)
+                await self.store.delete(bucket, key, version_id=(versions or {}).get(key))
 
     async def measure_local(self) -> dict[str, float]:
         write, read = await blocking(self._disk)
         objects = self._objects(PROBE_PREFIX)
+        versions: dict[str, str] = {}
         try:
-            put_s = await self._put_all(self.own_bucket, objects)
+            put_s = await self._put_all(self.own_bucket, objects, versions)
             started = self.clock.monotonic()
             got = await asyncio.gather(*(self.store.get(self.own_bucket, key) for key, _body in objects))
             get_s = self.clock.monotonic() - started
         finally:
-            await self._delete_all(self.own_bucket, objects)
+            await self._delete_all(self.own_bucket, objects, versions)
         if any(not isinstance(g, Got) or g.body != body for g, (_key, body) in zip(got, objects, strict=True)):
             raise OSError("the rate probe's objects did not read back")
         s3 = min(self.s3_mib / max(put_s, 1e-6), self.s3_mib / max(get_s, 1e-6))

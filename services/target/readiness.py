@@ -11,8 +11,10 @@ carries what it knows of itself, and :func:`write_report` writes the report.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -26,9 +28,9 @@ from events.record import Record
 from kernel import rules
 from kernel.ports import Clock, blocking
 from services.box.artifacts.archive import ArchiveError, extract
-from services.box.artifacts.sealing import PrivateKey, secrets_key_fp
+from services.box.artifacts.sealing import PrivateKey, public_point, secrets_key_fp
 from services.ledger.ledger import Ledger
-from services.objstore.port import Got, ObjectStore, StoreError
+from services.objstore.port import Got, ObjectStore, StoreError, Won
 from services.target.budget import DEFAULT_WINDOW_S, Budget, BudgetTiming, Rates, t11
 
 rules.register(
@@ -212,13 +214,15 @@ LANE_PREFIX = "moves/_lane/"
 
 
 async def storage_probe(store: ObjectStore, bucket: str, name: str) -> tuple[bool, str]:
-    """T4 for one store: list one key, put, get and delete ``.carlos-move-probe/<name>``."""
+    """T4 for one store: list one key, put, get and delete ``.carlos-move-probe/<name>``. The store is this box's
+    own region's, so the delete names the version the PUT made: a versioned bucket keeps neither a noncurrent version
+    nor a delete marker of a probe made at every assessment (issue 16 item 2)."""
     key = PROBE_PREFIX + name
     try:
         await store.list_keys(bucket, PROBE_PREFIX)
-        await store.put(bucket, key, b"probe")
+        put = await store.put(bucket, key, b"probe")
         got = await store.get(bucket, key)
-        await store.delete(bucket, key)
+        await store.delete(bucket, key, version_id=put.version_id if isinstance(put, Won) else None)
     except StoreError as exc:
         return False, f"the store refused the probe: {type(exc).__name__}"
     if not isinstance(got, Got) or got.body != b"probe":
@@ -243,19 +247,38 @@ def disk_usage(path: Path) -> tuple[int, int]:
     return usage.free, usage.total
 
 
+_OPENED: dict[tuple[str, str, str, str, bytes], tuple[bool, str]] = {}
+"""T5's verdicts by what they are a function of (the sealed bytes' and the manifest's digests, the op, the
+incarnation, the box's public key): a target assesses each round, and re-extracting an archive it already
+opened (or refused) told it nothing new. Bounded: the oldest verdict goes first."""
+_OPENED_MAX = 64
+_OPENED_LOCK = threading.Lock()
+
+
 async def archive_opens(
     sealed: bytes, manifest: bytes, private_key: PrivateKey, *, op: str, incarnation: str
 ) -> tuple[bool, str]:
     """T5: the archive opens with this box's key, matches its manifest, has no special file and is under
-    the cap: extract it into a scratch directory that is removed afterwards."""
+    the cap: extract it into a scratch directory that is removed afterwards (once per archive: :data:`_OPENED`)."""
     def run() -> tuple[bool, str]:
+        key = (hashlib.sha256(sealed).hexdigest(), hashlib.sha256(manifest).hexdigest(), op, incarnation,
+               public_point(private_key))
+        with _OPENED_LOCK:
+            known = _OPENED.get(key)
+        if known is not None:
+            return known
+        verdict = True, ""
         with tempfile.TemporaryDirectory() as scratch:
             try:
                 extract(sealed, manifest, private_key, Path(scratch) / "x", expect_op=op,
                         expect_incarnation=incarnation, fsync=False)
             except (ArchiveError, ValueError) as exc:
-                return False, f"the archive does not open here: {exc}"
-        return True, ""
+                verdict = False, f"the archive does not open here: {exc}"
+        with _OPENED_LOCK:
+            if len(_OPENED) >= _OPENED_MAX:
+                del _OPENED[next(iter(_OPENED))]
+            _OPENED[key] = verdict
+        return verdict
 
     return await blocking(run)
 

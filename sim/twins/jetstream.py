@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bus.consumers import Consumers, Delivery
 from bus.log import LogError, PubAck, StoredMessage, StreamState
 from bus.memory_log import MemoryEventLog
 from sim.faults import PublishFate
@@ -41,32 +42,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if i >= len(sub) or (token != "*" and token != sub[i]):
             return False
     return len(pat) == len(sub)
-
-
-class Delivery(Protocol):
-    """One delivery of a message to a durable consumer (the same on the twin and on NATS)."""
-
-    @property
-    def msg(self) -> StoredMessage: ...
-
-    @property
-    def num_delivered(self) -> int: ...
-
-    async def ack(self) -> None: ...
-
-    async def nak(self, delay: float = 0.0) -> None: ...
-
-    async def term(self) -> None: ...
-
-
-class Consumers(Protocol):
-    """Durable pull consumers (the twin and :class:`sim.twins.nats_consumers.NatsConsumers`)."""
-
-    async def add_consumer(
-        self, stream: str, durable: str, *, filter_subject: str, ack_wait_s: float, max_deliver: int = -1
-    ) -> None: ...
-
-    async def fetch(self, stream: str, durable: str, *, batch: int = 1, timeout: float = 1.0) -> list[Delivery]: ...
 
 
 @dataclass
@@ -142,6 +117,17 @@ class SimJetStream(MemoryEventLog):
                 observe(stream, stored)
             self._wake()
         return ack
+
+    def notice_now(self, stream: str, subject: str, data: bytes = b"") -> None:
+        """A work notice stored (atomic; no dedup, no sequence check, no acknowledgement)."""
+        msgs = self._msgs(stream)
+        seq = (msgs[-1].seq if msgs else self._first.get(stream, 1) - 1) + 1
+        msgs.append(StoredMessage(seq=seq, subject=subject, data=data))
+        self._emit(f"{stream} seq {seq} {subject}")
+        self._wake()
+
+    async def notice(self, stream: str, subject: str, data: bytes = b"") -> None:
+        self.notice_now(stream, subject, data)
 
     # -- durable consumers --------------------------------------------------------------------------
 
@@ -299,6 +285,13 @@ class SimEventLog:
             self.server._emit(f"ack of seq {ack.seq} to {self.name} lost")
             raise LogError("publish outcome unknown: the acknowledgement was lost")
         return ack
+
+    async def notice(self, stream: str, subject: str, data: bytes = b"") -> None:
+        """Fire and forget: stored after the network's latency, or lost on the way (the scan finds its work)."""
+        if self.fates.fault("js.notice_lost", 0.02):
+            self.server._emit(f"notice {subject} by {self.name} lost on the way")
+            return
+        asyncio.get_running_loop().call_later(self.latency, self.server.notice_now, stream, subject, data)
 
     async def last(self, stream: str, subject: str) -> StoredMessage | None:
         await asyncio.sleep(self.latency)

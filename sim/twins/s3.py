@@ -441,6 +441,13 @@ def _at_once(coro: Awaitable[T]) -> T:
 
 
 def _summary(result: object) -> str:
+    kind = type(result)
+    if kind is Won:
+        return f"won {(result.version_id or '-')[:8]}"  # type: ignore[attr-defined]
+    if kind is Got:
+        return f"got {result.etag[1:9]}"  # type: ignore[attr-defined]
+    if kind is list:
+        return f"{len(result)} entries"  # type: ignore[arg-type]
     if isinstance(result, Won):
         return f"won {(result.version_id or '-')[:8]}"
     if isinstance(result, Lost):

@@ -471,38 +471,67 @@ class _Stage:
     error in ``step`` is kept and re-raised to the next :meth:`write` and at :meth:`close`; the worker
     keeps draining its queue, so a writer upstream never blocks on a stage that has stopped.
     :meth:`abandon` (a refusal or an error elsewhere) drops what is still queued and waits for the worker.
+
+    The worker starts with the second block: a stream of one block (a small tree, the common case of
+    :func:`plain_digest`) is stepped in the caller's thread at :meth:`close`, in the same order, without the cost
+    of starting and joining a thread for it.
     """
 
     def __init__(self, step: Callable[[bytes | bytearray], None], name: str, depth: int = 8) -> None:
         self._step = step
-        self._queue: queue.Queue[bytes | bytearray | None] = queue.Queue(maxsize=depth)
+        self._name = name
+        self._depth = depth
+        self._queue: queue.Queue[bytes | bytearray | None] | None = None
+        self._first: bytes | bytearray | None = None
         self._error: BaseException | None = None
         self._closed = False
         self._abandoned = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
-    def _run(self) -> None:
+    def _start(self) -> queue.Queue[bytes | bytearray | None]:
+        q: queue.Queue[bytes | bytearray | None] = queue.Queue(maxsize=self._depth)
+        if self._first is not None:
+            q.put(self._first)
+            self._first = None
+        self._queue = q
+        self._thread = threading.Thread(target=self._run, args=(q,), name=self._name, daemon=True)
+        self._thread.start()
+        return q
+
+    def _run(self, q: queue.Queue[bytes | bytearray | None]) -> None:
         try:
-            while (item := self._queue.get()) is not None:
+            while (item := q.get()) is not None:
                 if not self._abandoned:
                     self._step(item)
         except BaseException as exc:
             self._error = exc
-            while self._queue.get() is not None:  # keep draining so the producer never blocks
+            while q.get() is not None:  # keep draining so the producer never blocks
                 pass
 
     def write(self, data: bytes | bytearray) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put(data)
+        if self._queue is not None:
+            self._queue.put(data)
+        elif self._first is None:
+            self._first = data
+        else:
+            self._start().put(data)
 
     def close(self, *, raising: bool = True) -> None:
-        """Wait for the worker (once); re-raise what it raised."""
+        """Wait for the worker (once), or step the one block held; re-raise what it raised."""
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-            self._thread.join()
+            if self._queue is not None and self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+            elif self._first is not None:
+                first, self._first = self._first, None
+                if not self._abandoned:
+                    try:
+                        self._step(first)
+                    except BaseException as exc:
+                        self._error = exc
         if raising and self._error is not None:
             raise self._error
 

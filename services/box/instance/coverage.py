@@ -286,6 +286,28 @@ def pending_generation_chores(claim: Claim | None, owner: str) -> list[Obligatio
     return [o for o in claim.obligations if o.kind == PARK_GENERATION and o.owner == owner]
 
 
+def lost_owner_chores(claim: Claim | None, region: str) -> list[Obligation]:
+    """The ``park-generation`` chores of ``region`` owed by a box the claim lists as lost (§7.10): the box never runs
+    them again, so a live box of the region adopts each (:func:`decide_adopt_chore`)."""
+    if claim is None:
+        return []
+    lost = {b.box for b in claim.lost}
+    return [o for o in claim.obligations if o.kind == PARK_GENERATION and o.region == region and o.owner in lost]
+
+
+def decide_adopt_chore(claim: Claim | None, chore: Obligation, box: str) -> Claim | NoChange | Refusal:
+    """The adoption CAS of a lost box's chore: ``chore`` becomes ``box``'s, its scope and evidence time kept (K8: a
+    chore is acknowledged only by its owner, so it needs one that lives)."""
+    if claim is None:
+        return Refusal("the host has no claim")
+    if chore not in claim.obligations:
+        return NoChange("the chore was adopted or acknowledged meanwhile")
+    if chore.owner not in {b.box for b in claim.lost}:
+        return Refusal(f"the chore's owner {chore.owner} is not lost")
+    mine = msgspec.structs.replace(chore, owner=box)
+    return msgspec.structs.replace(claim, obligations=tuple(mine if o == chore else o for o in claim.obligations))
+
+
 def decide_generation_parked(claim: Claim | None, chore: Obligation, quiet_until: int) -> Claim | NoChange | Refusal:
     """Acknowledge a ``park-generation``: remove exactly that obligation (K8) and raise the region's
     ``quiet_after`` to its horizon (T12), once."""

@@ -16,11 +16,13 @@ process is a new session).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from kernel.fsutil import atomic_write
+from kernel.logctx import ctx
 from services.box.replica.replicator import Replicator
 
 Origin = Literal["wake", "probe", "landed"]
@@ -35,6 +37,13 @@ class Process(Protocol):
     none: its tree is the host's cgroup leaf, which the activator kills and drains."""
 
     async def stop(self) -> None: ...
+
+
+log = logging.getLogger("hostmove.box")
+
+LOOP_END_S = 30.0
+"""How long a stop waits for its instance's sync loop to end its round after the stop is signalled (a round's
+requests answer within the S3 client's timeout) before it cancels the round."""
 
 
 @dataclass
@@ -125,8 +134,16 @@ class Instances(dict[str, Instance]):
         if instance.task is not None:
             # Wait for the sync loop's own end, a cancelled loop included, without raising its outcome here: a
             # `suppress(CancelledError)` around `await task` also swallowed the cancellation of this caller (the
-            # simulation's agent crash mid-stop: the dead agent's pass loop ran on beside its successor).
-            await asyncio.wait({instance.task})
+            # simulation's agent crash mid-stop: the dead agent's pass loop ran on beside its successor). A round
+            # that does not end within LOOP_END_S (a request stalled after signing) is cancelled: the final sync
+            # below ships what it had pending, and a request of it that lands late is the parks' late completion
+            # (§6.4); waiting on it held a cut's stop past its deadline (simulation move seeds 219, 293).
+            ended, _ = await asyncio.wait({instance.task}, timeout=LOOP_END_S)
+            if not ended:
+                log.warning("the sync loop of %s did not end within %g s of its stop: its round is cancelled",
+                            host, LOOP_END_S, extra=ctx(host=host, phase="stop", session=instance.session))
+                instance.task.cancel()
+                await asyncio.wait({instance.task})
         if self.get(host) is instance:
             del self[host]
         return await final_sync(instance.replicator)
