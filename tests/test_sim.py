@@ -68,8 +68,9 @@ GATE_CPU_S = 480
 """The gate's share of ``make test``, in CPU seconds of its workers (the load of a shared machine changes its wall
 time far more than this): 340 s measured by bench/sim at a load of 11 to 14 on this machine's two cores, where
 contention inflates a second of CPU too (so about 170 s of wall time on the two cores unshared)."""
-GATE_TIMEOUT_S = 900
-"""Its wall-time bound: the gate's CPU at a third of the two cores (other work sharing them), with margin."""
+GATE_TIMEOUT_S = 1500
+"""Its wall-time bound: a hang guard, not a speed bar (that is bench/sim's). In a full `make test` its workers get a
+small share of the two cores: 870 s measured at stop 24 under the whole suite, 167 s alone, so 900 s left no margin."""
 
 # =================================================================================================
 # the loop and the sandbox
