@@ -417,22 +417,7 @@ async def _fenced_source(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, envir
 
     await _until_async(pinned, "the conversion to a relocation at pinning", 120)
     out(f"   {say('M-C22', host=host, region=ie.region)}")
-    label = f"{ie.label}-r{rt.rng.token_bytes(2).hex()}"
-    box = await init_box(root=rt.settings.root, label=label, region=ie.region, store=rt.store,
-                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
-    agent = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label", label)
-    agent.start()
-    agents[label] = agent
-    out(f"   a replacement box {label} enrolls in {ie.region}")
-
-    async def serving() -> bool | None:
-        claim = (await rt.ledger.read_claim(host)).state
-        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
-
-    await _until_async(serving, f"{host} serving on {label}", MOVE_TIMEOUT_S)
-    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
-    after = await asyncio.to_thread(post_write, port, f"written on {label}")
-    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    label, box, port = await _replacement_serves(rt, ie, host, agents, services_env, out)
     record = (await rt.ledger.read_record(host)).state
     ended = record.last_move.outcome if record is not None and record.last_move is not None and (
         record.last_move.id == move_id) else ""
@@ -505,23 +490,7 @@ async def _fenced_committed(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, en
     last_move = record.last_move if record is not None and record.move is None else None
     ended = last_move.outcome if last_move is not None and last_move.id == move_id else ""
     out(f"   the move ended {ended or 'not closed'} without {uk.label}; {say('M-C22', host=host, region=uk.region)}")
-    label = f"{uk.label}-r{rt.rng.token_bytes(2).hex()}"
-    box = await init_box(root=rt.settings.root, label=label, region=uk.region, store=rt.store,
-                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
-    replacement = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label",
-                                    label)
-    replacement.start()
-    agents[label] = replacement
-    out(f"   a replacement box {label} enrolls in {uk.region}")
-
-    async def serving() -> bool | None:
-        claim = (await rt.ledger.read_claim(host)).state
-        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
-
-    await _until_async(serving, f"{host} relocated to {label}", MOVE_TIMEOUT_S)
-    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
-    after = await asyncio.to_thread(post_write, port, f"written on {label}")
-    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    label, box, port = await _replacement_serves(rt, uk, host, agents, services_env, out)
     lane = f"moves/{host_segment(host)}/{move_id}/"
 
     async def lane_swept() -> bool | None:  # the fenced target's staging park: uk's at-rest sweep (sweep-staging)
@@ -572,6 +541,31 @@ async def _fenced_committed(rt: Runtime, ie: BoxInit, uk: BoxInit, host: str, en
     shown.append(Check("the operator was alerted once (fenced-target-after-commit)", len(alerted) == 1,
                        f"{len(alerted)} alert(s)"))
     return Outcome(scenario, host, move_id, ended, False, lines, shown)
+
+
+async def _replacement_serves(rt: Runtime, lost: BoxInit, host: str, agents: dict[str, ServiceProc],
+                              services_env: Callable[[], dict[str, str]],
+                              out: Callable[[str], None]) -> tuple[str, BoxInit, int]:
+    """A replacement box enrolls in ``lost``'s region, its agent started (kept in ``agents``); answered once ``host``
+    serves there and takes a write (§7.10: the relocation completes on the region's next box): its label, its box
+    and the port it serves the host on."""
+    label = f"{lost.label}-r{rt.rng.token_bytes(2).hex()}"
+    box = await init_box(root=rt.settings.root, label=label, region=lost.region, store=rt.store,
+                         bucket=rt.settings.bucket, events=rt.events, clock=rt.clock, actor=rt.actor)
+    agent = ServiceProc.serve("box", services_env(), rt.settings.root / "logs" / f"box-{label}.log", "--label", label)
+    agent.start()
+    agents[label] = agent
+    out(f"   a replacement box {label} enrolls in {lost.region}")
+
+    async def serving() -> bool | None:
+        claim = (await rt.ledger.read_claim(host)).state
+        return True if claim is not None and claim.op.kind == "serving" and claim.op.exec == label else None
+
+    await _until_async(serving, f"{host} relocated to {label}", MOVE_TIMEOUT_S)
+    port = await _until(lambda: read_endpoint(box.box_dir, host), f"{host} serving on {label}", 60)
+    after = await asyncio.to_thread(post_write, port, f"written on {label}")
+    out(f"   {host} serves on {label} and takes writes (seq {after})")
+    return label, box, port
 
 
 async def _until_async(check: Callable[[], Awaitable[bool | None]], what: str, timeout_s: float) -> None:
