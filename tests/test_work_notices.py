@@ -2,7 +2,9 @@
 own consumer on ``HM_WORK``, which keeps what was sent while the agent was down.
 
 The target box's agent is stopped; one host's move to it is requested and another host's manual move (ready before
-the stop) is cut; the agent is started again with its reconciliation scan an hour away. The target holds nothing
+the stop) is cut; the agent is started again with its reconciliation scan an hour away. (The cut window is 90 s,
+not the fast profile's 12 s: the manual host's cut deadline runs from the cut, made while the target is down, and a
+loaded machine's agent start alone can take most of 12 s; a restart past the window rolls back, as it should.) The target holds nothing
 local of either host (no instance, no route row), so only its consumer can tell it: both moves must end ``done``.
 Then the pure decider of which boxes a transition concerns, and the consumer's permissions."""
 
@@ -51,7 +53,7 @@ async def test_a_restarted_target_takes_what_was_asked_while_it_was_down_from_it
         tmp_path: Path) -> None:
     store, events, prefix = shared
     async with agent_world(stack, unique, tmp_path, prefix, store=store, events=events,
-                           agent_env={"HOSTMOVE_SCAN_S": "3600"}) as w:
+                           agent_env={"HOSTMOVE_SCAN_S": "3600", "HOSTMOVE_CUT_WINDOW_S": "90"}) as w:
         auto, manual = f"{unique('wa')}.example.com", f"{unique('wm')}.example.com"
         for host in (auto, manual):  # created with the scan an hour away: the source hears of them by notice
             created = await create_host(w.ledger, host, box=w.labels["ie"], region="ie",
