@@ -86,6 +86,86 @@ def test_every_service_is_checked_ready_and_starts_after_what_it_needs(compose: 
     assert re.search(r"^USER hostmove$", (ROOT / "Dockerfile").read_text(), re.M), "the image runs as non-root"
 
 
+NATS_NODES = ("nats", "nats-2", "nats-3")
+
+
+def test_the_three_nats_nodes_form_one_jetstream_cluster_that_takes_a_stream_of_three_replicas(
+        compose: dict[str, Any], tmp_path: Path) -> None:
+    """The compose file's NATS (issue 19 item 4): three nodes of one JetStream cluster, every hostmove service told
+    of all three and the streams' replicas 3. The three commands as written are started here with the embedded
+    extra's ``nats-server`` (each node's name and ports mapped to loopback, its ``/data`` to a directory, the users
+    file to one of a single admin): they elect a meta leader, take a stream of three replicas and a message on it."""
+    import asyncio
+    import json
+
+    import nats
+
+    from hostmove.access import ADMIN, NatsUser, nats_config, new_nkey_seed, public_nkey
+    from hostmove.probe_apps import free_port
+    from hostmove.stack import NATS_BIN
+
+    services = compose["services"]
+    env = compose["x-hostmove"]["environment"]
+    assert env["HOSTMOVE_STREAM_REPLICAS"] == "3"
+    assert env["HOSTMOVE_NATS_URL"].split(",") == [f"nats://{n}:4222" for n in NATS_NODES]
+    for name in HOSTMOVE_SERVICES:
+        assert all(services[name]["depends_on"][n]["condition"] == "service_healthy" for n in NATS_NODES), name
+    seed = new_nkey_seed()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(json.dumps(nats_config([NatsUser(ADMIN, public_nkey(seed))])))
+    ports = {n: {"client": free_port(), "cluster": free_port(), "monitor": free_port()} for n in NATS_NODES}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in NATS_NODES:
+            argv = [str(a) for a in services[name]["command"]]
+            assert argv[:2] == ["-c", "/etc/nats/nats.conf"] and argv[argv.index("-sd") + 1] == "/data", name
+            assert argv[argv.index("--cluster_name") + 1] == "hostmove", name
+            mine = ports[name]
+            argv[1], argv[argv.index("-sd") + 1] = str(conf), str(tmp_path / name)
+            argv[argv.index("-m") + 1] = str(mine["monitor"])
+            argv[argv.index("--cluster") + 1] = f"nats://127.0.0.1:{mine['cluster']}"
+            routes = argv[argv.index("--routes") + 1].split(",")
+            assert sorted(routes) == sorted(f"nats://{n}:6222" for n in NATS_NODES), name
+            argv[argv.index("--routes") + 1] = ",".join(
+                f"nats://127.0.0.1:{ports[r.split('//')[1].split(':')[0]]['cluster']}" for r in routes)
+            procs.append(subprocess.Popen([str(NATS_BIN), *argv, "-a", "127.0.0.1", "-p", str(mine["client"])],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        async def cluster() -> None:
+            nc = await nats.connect(servers=[f"nats://127.0.0.1:{ports[n]['client']}" for n in NATS_NODES],
+                                    nkeys_seed_str=seed, connect_timeout=5)
+            try:
+                js = nc.jetstream()
+                deadline = asyncio.get_running_loop().time() + 60
+                while True:  # the stream is refused until the meta leader is elected
+                    try:
+                        info = await js.add_stream(name="CLUSTERED", subjects=["clustered.>"], num_replicas=3)
+                        break
+                    except Exception:
+                        if asyncio.get_running_loop().time() > deadline:
+                            raise
+                        await asyncio.sleep(0.5)
+                assert info.config.num_replicas == 3
+                assert (await js.publish("clustered.one", b"x")).seq == 1
+                while True:  # every replica current
+                    state = await js.stream_info("CLUSTERED")
+                    peers = state.cluster.replicas if state.cluster is not None else []
+                    if state.cluster is not None and len(peers or []) == 2 and all(p.current for p in peers or []):
+                        break
+                    assert asyncio.get_running_loop().time() < deadline, state.cluster
+                    await asyncio.sleep(0.5)
+                assert {state.cluster.leader, *(p.name for p in peers or [])} == {"nats-1", "nats-2", "nats-3"}
+            finally:
+                await nc.close()
+
+        asyncio.run(cluster())
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
 def env_names_read() -> dict[str, set[str]]:
     """Every environment variable the production code reads: the constant a call of ``os.environ.get``/``getenv``
     or a subscript of ``os.environ`` names, and every ``HOSTMOVE_*`` string constant (the names read through a

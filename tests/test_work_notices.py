@@ -4,8 +4,9 @@ own consumer on ``HM_WORK``, which keeps what was sent while the agent was down.
 The target box's agent is stopped; one host's move to it is requested and another host's manual move (ready before
 the stop) is cut; the agent is started again with its reconciliation scan an hour away. (The cut window is 90 s,
 not the fast profile's 12 s: the manual host's cut deadline runs from the cut, made while the target is down, and a
-loaded machine's agent start alone can take most of 12 s; a restart past the window rolls back, as it should.) The target holds nothing
-local of either host (no instance, no route row), so only its consumer can tell it: both moves must end ``done``.
+loaded machine's agent start alone can take most of 12 s; a restart past the window rolls back, as it should.)
+The target holds nothing local of either host (no instance, no route row), so only its consumer can tell it: both
+moves must end ``done``.
 Then the pure decider of which boxes a transition concerns, and the consumer's permissions."""
 
 from __future__ import annotations

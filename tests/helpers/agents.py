@@ -49,8 +49,10 @@ async def publish_sample(store: ObjectStore, bucket: str, clock: Clock,
 
 
 async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 60.0,
-                     every_s: float = 0.1) -> T:
-    """Poll ``check`` until it answers something truthy, or fail after ``timeout_s`` with ``what``."""
+                     every_s: float = 0.25) -> T:
+    """Poll ``check`` until it answers something truthy, or fail after ``timeout_s`` with ``what``. Every quarter
+    of a second by default: a check reads the ledger (two GETs of S3, most of the test process's CPU), and ten a
+    second were a tenth of a real-stack test's requests for no sooner an answer that matters."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = await check()
