@@ -71,6 +71,16 @@ def reconnect_delay(attempt: int, *, low: float = RECONNECT_WAIT_MIN_S, cap: flo
     return min(cap, base * (0.8 + 0.4 * rng()))
 
 
+def next_server(servers: list[Any], *, cap: float = RECONNECT_WAIT_MAX_S,
+                rng: Callable[[], float] = random.random) -> tuple[Any, float]:
+    """Which of a cluster's servers to reconnect to, and after how long: the one with the fewest failed attempts
+    since it last connected (the first of those, in the order given), after the capped backoff of its own failures.
+    Never ``None``: nats-py then takes the first server of its pool every time, and a client whose first URL was
+    the node that died knocked on it forever while two live nodes served (tests/test_nats_cluster.py)."""
+    chosen = min(servers, key=lambda s: getattr(s, "reconnects", 0))
+    return chosen, reconnect_delay(getattr(chosen, "reconnects", 0), cap=cap, rng=rng)
+
+
 REPLICAS_ENV = "HOSTMOVE_STREAM_REPLICAS"
 """The deployment's stream replica count (issue 19 item 4): 1 on the embedded single server, 3 on a three-node
 cluster (``hostmove stack up --nats-cluster 3`` sets it for the services it starts; the compose file sets it)."""
@@ -227,9 +237,8 @@ class NatsEventLog:
     # -- the connection's state ---------------------------------------------------------------------------------
 
     def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
-        """nats-py's reconnect hook: the first eligible server, after the capped backoff of its failed attempts."""
-        attempt = max((getattr(s, "reconnects", 0) for s in servers), default=0)
-        return None, reconnect_delay(attempt, cap=self.reconnect_wait_max_s)
+        """nats-py's reconnect hook: :func:`next_server`, on this log's cap."""
+        return next_server(servers, cap=self.reconnect_wait_max_s)
 
     async def _disconnected(self) -> None:
         if self.disconnected_at is None and not self.nc.is_closed:

@@ -62,6 +62,7 @@ LONG_FIRST = (
     "tests/test_fenced_target.py",
     "tests/test_concurrent_passes.py",
     "tests/test_work_notices.py",
+    "tests/test_nats_cluster.py",
     "tests/test_relocation.py",
     "tests/test_readiness_checks.py",
     "tests/test_source_readiness.py",

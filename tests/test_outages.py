@@ -35,7 +35,7 @@ import pytest
 
 from bus.log import LogUnavailable
 from bus.memory_log import MemoryEventLog
-from bus.nats_log import RECONNECT_WAIT_MAX_S, NatsEventLog, reconnect_delay
+from bus.nats_log import RECONNECT_WAIT_MAX_S, NatsEventLog, next_server, reconnect_delay
 from bus.subjects import LEDGER_STREAM, ledger_subject
 from events import Actor
 from events.claim import Claim, Holder, Op
@@ -70,6 +70,25 @@ def test_the_reconnect_backoff_doubles_up_to_its_cap() -> None:
     assert mid[5:] == [RECONNECT_WAIT_MAX_S] * 3
     assert all(reconnect_delay(a, rng=lambda: 0.999) <= RECONNECT_WAIT_MAX_S for a in range(100))
     assert reconnect_delay(1000) <= RECONNECT_WAIT_MAX_S
+
+
+def test_a_reconnect_tries_the_cluster_s_server_that_failed_least_never_the_dead_first_one_forever() -> None:
+    """nats-py's reconnect hook answers a server: a cluster whose first URL died is left for the next."""
+    from nats.aio.client import Server
+    from nats.aio.client import urlparse as parse
+
+    dead, b, c = (Server(parse(f"nats://127.0.0.1:{p}")) for p in (4001, 4002, 4003))
+    dead.reconnects = 3
+    chosen, delay = next_server([dead, b, c], rng=lambda: 0.5)
+    assert chosen is b and delay == pytest.approx(0.1)
+    b.reconnects = 4  # b failed too: c, then the one of the fewest failures, after its own backoff
+    assert next_server([dead, b, c], rng=lambda: 0.5)[0] is c
+    c.reconnects = 5
+    chosen, delay = next_server([dead, b, c], rng=lambda: 0.5)
+    assert chosen is dead and delay == pytest.approx(0.8)
+    alone = Server(parse("nats://127.0.0.1:4222"))  # one server: it, after the backoff of its failures
+    alone.reconnects = 2
+    assert next_server([alone], rng=lambda: 0.5) == (alone, pytest.approx(0.4))
 
 
 def test_the_health_address_comes_from_the_flag_or_the_environment() -> None:
