@@ -77,3 +77,43 @@ async def test_a_rehearsal_ends_as_its_scenario_must(stack: StackInfo, unique: C
         assert code == exitcodes.OK, "\n".join(lines)
     finally:
         await rt.close()
+
+
+def test_a_once_timer_of_a_session_declared_lost_may_be_lost_or_run_once_again_never_more(
+        tmp_path: Path) -> None:
+    """``timers_once`` (the rehearsals' check): the once-timer runs exactly once, but a run acknowledged in a
+    session declared lost may be gone (0 runs) or run again in the next session (2); a third run, or a repeat of a
+    run no lost session holds, stays a failure."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from hostmove.rehearsal import ONCE_TIMER, timers_once
+
+    body: dict[str, object] = {}
+
+    class Runs(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Runs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    once = {"name": ONCE_TIMER, "due_at_ms": 1_000, "received_at_ms": 1_001}
+    lost = frozenset({(ONCE_TIMER, 1_000)})
+    try:
+        for runs, lost_runs, ok in (([once], frozenset(), True), ([once, once], frozenset(), False),
+                                    ([], lost, True), ([once, once], lost, True), ([once] * 3, lost, False),
+                                    ([], frozenset(), False)):
+            body = {"runs": runs, "repeats": []}
+            got = timers_once(port, cut_at_ms=None, now_ms=2_000, once_due_ms=1_000, lost_runs=lost_runs)
+            assert got.ok is ok, (len(runs), lost_runs, got)
+    finally:
+        server.shutdown()
