@@ -1,0 +1,143 @@
+"""Many hosts on the real stack (issue 19 item 7): what the box agents' backstop costs with 1,000 hosts.
+
+A private stack, two box agents as real processes (``hostmove serve box``, the **production** profile: the backstop
+every ``HOSTMOVE_SCAN_S`` = 15 s, the retention's look every 60 s, the at-rest sweeps every 600 s, hosts sleep after
+15 minutes idle), ``SCALE_HOSTS`` hosts (1,000 by default) created straight through their claims
+(:func:`services.hosts.create.create_host`), half on each box. ``SCALE_RUNNING`` of each box's hosts (40 by default)
+run (the sample app, woken by the agent's first pass); the others are asleep on their box (its sleep marks, written
+before the agents start: what an idle stop leaves), so the agent never starts them.
+
+**(a) The backstop's cost.** Once every running instance serves and the agents' first look is over, each agent's
+``hostmove_s3_requests_total`` (its ``/metrics``, every operation and status) is read over HTTP before and after
+``SCALE_PERIODS`` reconciliation periods (4 by default: one round of the retention's 60 s look). The figure is the
+requests per period (``scan_s`` of wall time) divided by the hosts on that box; the worse box is the RESULT. The
+at-rest sweeps' own cadence (600 s) is longer than the window: their first round is in the warm-up, not measured.
+
+(b) (not yet) 20 moves at once between the two boxes.
+
+The last line is ``RESULT scale ratio=<worse box's requests per period per host> target=1.5``; above it exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import private_stack, result
+from bench.retention import unique_names
+from events.ids import new_incarnation
+from hostmove.stackinfo import StackInfo
+from kernel.ports import SystemRandom, free_port
+from services.box.instance.sleep import SleepMarks
+from services.hosts.create import create_host
+from services.ledger import Committed
+from tests.helpers.agents import AgentWorld, agent_world, data_buckets, eventually
+from tests.helpers.webcalls import scrape
+
+TARGET = 1.5
+REGIONS = ("ie", "uk")
+S3_REQUESTS = "hostmove_s3_requests_total{"
+
+
+def requests_by_operation(values: dict[str, float]) -> dict[str, float]:
+    """An agent's S3 requests so far by operation (every status), from its scraped ``/metrics``."""
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        if key.startswith(S3_REQUESTS):
+            labels = dict(part.split("=", 1) for part in key[len(S3_REQUESTS):-1].split(","))
+            out[labels["operation"]] = out.get(labels["operation"], 0.0) + value
+    return out
+
+
+async def register(w: AgentWorld, hosts: dict[str, str], running: int) -> None:
+    """Create every host (``host -> region``) on its region's box; all but ``running`` of each box's asleep there."""
+    rng, gate = SystemRandom(), asyncio.Semaphore(16)
+
+    async def one(host: str, region: str) -> None:
+        async with gate:
+            created = await create_host(w.ledger, host, box=w.labels[region], region=region,
+                                        incarnation=new_incarnation(rng), app=w.app)
+            assert isinstance(created, Committed), created
+
+    await asyncio.gather(*(one(h, r) for h, r in hosts.items()))
+    for region in REGIONS:
+        marks = SleepMarks(w.box_dir(region))
+        for host in [h for h, r in hosts.items() if r == region][running:]:
+            marks.mark(host, session=0, at_ms=int(time.time() * 1000))
+
+
+async def instances_running(health: dict[str, int], w: AgentWorld, running: int, timeout_s: float) -> None:
+    async def check() -> bool:
+        for region, port in health.items():
+            try:
+                values = await asyncio.to_thread(scrape, port)
+            except OSError:  # its health port is not open yet
+                return False
+            if values.get(f"hostmove_box_instances_running{{box={w.labels[region]}}}", 0.0) < running:
+                return False
+        return True
+
+    await eventually(check, f"{running} instances running on each box", timeout_s, every_s=1.0)
+
+
+async def backstop_cost(w: AgentWorld, health: dict[str, int], per_box: int, scan_s: float,
+                        periods: int) -> float:
+    """Part (a): each agent's S3 requests per period per host on its box over ``periods`` periods; the worse box's."""
+    before = {r: await asyncio.to_thread(scrape, p) for r, p in health.items()}
+    t0 = time.monotonic()
+    await asyncio.sleep(periods * scan_s)
+    after = {r: await asyncio.to_thread(scrape, p) for r, p in health.items()}
+    took = time.monotonic() - t0
+    worst = 0.0
+    for region in REGIONS:
+        b, a = requests_by_operation(before[region]), requests_by_operation(after[region])
+        ops = {op: a[op] - b.get(op, 0.0) for op in a if a[op] - b.get(op, 0.0)}
+        per_period = sum(ops.values()) / (took / scan_s)
+        ratio = per_period / per_box
+        worst = max(worst, ratio)
+        print(f"box {w.labels[region]}: {sum(ops.values()):.0f} S3 requests in {took:.0f} s "
+              f"({took / scan_s:.1f} periods): {per_period:.0f} a period, {ratio:.3f} per host on the box; "
+              + ", ".join(f"{op} {n:.0f}" for op, n in sorted(ops.items())), flush=True)
+    return worst
+
+
+async def measure(info: StackInfo, root: Path, hosts_n: int, running: int, scan_s: float, periods: int) -> int:
+    unique: Callable[[str], str] = unique_names()  # type: ignore[assignment]
+    health = {r: free_port() for r in REGIONS}
+    async with data_buckets(info, unique, "scale") as (store, events, prefix), \
+            agent_world(info, unique, root, prefix, store=store, events=events, start=False,
+                        agent_env={"HOSTMOVE_PROFILE": "production", "HOSTMOVE_SCAN_S": f"{scan_s:g}"}) as w:
+        hosts = {f"scale-{i:04d}.example.com": REGIONS[i % 2] for i in range(hosts_n)}
+        t0 = time.monotonic()
+        await register(w, hosts, running)
+        per_box = hosts_n // len(REGIONS)
+        print(f"{hosts_n} hosts registered in {time.monotonic() - t0:.0f} s, {per_box} on each of two boxes, "
+              f"{running} of them running on each; the backstop every {scan_s:g} s (production profile)", flush=True)
+        for region, agent in w.agents.items():
+            agent.start({"HOSTMOVE_HEALTH_PORT": str(health[region])})
+        t0 = time.monotonic()
+        await instances_running(health, w, running, timeout_s=600)
+        print(f"{running} instances running on each box {time.monotonic() - t0:.0f} s after the agents started",
+              flush=True)
+        await asyncio.sleep(2 * scan_s)  # the first look (every claim is new to it) and its passes are warm-up
+        ratio = await backstop_cost(w, health, per_box, scan_s, periods)
+        print(result("scale", ratio, TARGET))
+        return 0 if ratio <= TARGET else 1
+
+
+def main() -> int:
+    hosts_n = int(os.environ.get("SCALE_HOSTS", "1000"))
+    running = int(os.environ.get("SCALE_RUNNING", "40"))
+    scan_s = float(os.environ.get("SCALE_SCAN_S", "15"))
+    periods = int(os.environ.get("SCALE_PERIODS", "4"))
+    with private_stack() as info, tempfile.TemporaryDirectory(prefix="hostmove-bench-scale-") as tmp:
+        return asyncio.run(measure(info, Path(tmp), hosts_n, running, scan_s, periods))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
