@@ -29,9 +29,6 @@ from projections.store import Applied, IdentityChanged, ProjectionError, Project
 
 log = logging.getLogger("hostmove.projections")
 
-READ_AHEAD = 2
-"""Batches the replay may read ahead of the apply."""
-
 MAX_BACKOFF_S = 5.0
 """The cap of the catch-up's backoff while the log is unreachable (a reconnect's :meth:`Projector.notify` cuts it
 short)."""
@@ -88,55 +85,22 @@ class Projector:
 
     async def catch_up(self) -> int:
         """Apply everything after the stored position, up to the last message now. Returns how many
-        messages changed the view.
-
-        The replay runs ahead in its own task (at most :data:`READ_AHEAD` batches), so the next fetch is
-        on the wire while a batch is applied; only the apply commits, so exactly once holds as before.
-        """
+        messages changed the view."""
         applied = 0
         while True:
             identity, start = self.store.identity, self.store.position() + 1
-            batches: asyncio.Queue[list[StoredMessage] | None] = asyncio.Queue(READ_AHEAD)
-            reader = asyncio.ensure_future(self._read(start, batches))
+            pending: list[StoredMessage] = []
             try:
-                while (msgs := await self._next(batches, reader)) is not None:
-                    applied += self._apply(msgs, identity)
-                await reader  # its error, if any
+                async for msg in self.log.replay(self.store.stream, start_seq=start):
+                    pending.append(msg)
+                    if len(pending) >= self.batch:
+                        applied += self._apply(pending, identity)
+                        pending = []
+                if pending:
+                    applied += self._apply(pending, identity)
                 return applied
             except IdentityChanged:
                 continue  # rebuilt meanwhile: replay from the new database's position
-            finally:
-                if not reader.done():
-                    reader.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await reader
-
-    async def _read(self, start: int, batches: asyncio.Queue[list[StoredMessage] | None]) -> None:
-        pending: list[StoredMessage] = []
-        async for msg in self.log.replay(self.store.stream, start_seq=start):
-            pending.append(msg)
-            if len(pending) >= self.batch:
-                await batches.put(pending)
-                pending = []
-        if pending:
-            await batches.put(pending)
-        await batches.put(None)
-
-    @staticmethod
-    async def _next(
-        batches: asyncio.Queue[list[StoredMessage] | None], reader: asyncio.Future[None]
-    ) -> list[StoredMessage] | None:
-        """The next batch, or ``None`` at the end; the reader's error when it failed first."""
-        if batches.empty():
-            got = asyncio.ensure_future(batches.get())
-            waiting: set[asyncio.Future[Any]] = {got, reader}
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if not got.done():
-                got.cancel()
-                reader.result()  # raises the replay's error
-                return None
-            return got.result()
-        return batches.get_nowait()
 
     def notify(self) -> None:
         """Wake :meth:`run` now (new messages may be on the stream)."""
