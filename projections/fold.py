@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,53 +87,41 @@ def as_json(value: object) -> object:
     return value
 
 
-def _claim_part(claim: Claim) -> dict[str, object]:
-    holder = claim.holder
+def _claim_part(claim: Claim) -> tuple[object, ...]:
+    """The claim's columns, in :data:`_CLAIM_KEYS` order."""
+    holder, op = claim.holder, claim.op
     region = holder.admissions[-1].region if holder is not None and holder.admissions else ""
-    return {
-        "deleted": holder is None and claim.op.kind == "free",
-        "claim_gen": claim.gen,
-        "op_kind": claim.op.kind,
-        "op_phase": claim.op.phase,
-        "op_id": claim.op.id,
-        "exec": claim.op.exec,
-        "region": region,
-        "incarnation": holder.incarnation if holder is not None else "",
-        "claim_json": claim,
-    }
+    return (holder is None and op.kind == "free", claim.gen, op.kind, op.phase, op.id, op.exec, region,
+            holder.incarnation if holder is not None else "", claim)
 
 
-def _record_part(record: Record) -> dict[str, object]:
+_NO_MOVE: tuple[object, ...] = ("", "", "", "", "", "", None, None, None, None, None)
+
+
+def _record_part(record: Record) -> tuple[object, ...]:
+    """The record's columns, in :data:`_RECORD_KEYS` order."""
     move = record.move
     if move is None:
-        moved: dict[str, object] = {
-            "move_id": "", "move_state": "", "cut_phase": "", "landing_phase": "", "move_to": "",
-            "move_from": "", "requested_at": None, "cut_at": None, "flipped_at": None,
-            "committed_at": None, "opened_at": None,
-        }
-    else:
-        moved = {
-            "move_id": move.id, "move_state": move.state, "cut_phase": move.cut_phase,
-            "landing_phase": move.landing_phase, "move_to": move.to, "move_from": move.from_,
-            "requested_at": move.requested_at, "cut_at": move.cut_at, "flipped_at": move.flipped_at,
-            "committed_at": move.committed_at, "opened_at": move.opened_at,
-        }
-    moved["record_gen"] = record.gen
-    moved["record_json"] = record
-    return moved
+        return (*_NO_MOVE, record.gen, record)
+    return (move.id, move.state, move.cut_phase, move.landing_phase, move.to, move.from_, move.requested_at,
+            move.cut_at, move.flipped_at, move.committed_at, move.opened_at, record.gen, record)
 
 
-_EMPTY_CLAIM: dict[str, object] = {
-    "deleted": False, "claim_gen": 0, "op_kind": "", "op_phase": "", "op_id": "", "exec": "",
-    "region": "", "incarnation": "", "claim_json": None,
-}
-_EMPTY_RECORD: dict[str, object] = {
-    "move_id": "", "move_state": "", "cut_phase": "", "landing_phase": "", "move_to": "", "move_from": "",
-    "requested_at": None, "cut_at": None, "flipped_at": None, "committed_at": None, "opened_at": None,
-    "record_gen": 0, "record_json": None,
-}
-_CLAIM_KEYS = tuple(_EMPTY_CLAIM)
-_RECORD_KEYS = tuple(_EMPTY_RECORD)
+_CLAIM_KEYS = ("deleted", "claim_gen", "op_kind", "op_phase", "op_id", "exec", "region", "incarnation", "claim_json")
+_RECORD_KEYS = ("move_id", "move_state", "cut_phase", "landing_phase", "move_to", "move_from", "requested_at",
+                "cut_at", "flipped_at", "committed_at", "opened_at", "record_gen", "record_json")
+_EMPTY_CLAIM = (False, 0, "", "", "", "", "", "", None)
+_EMPTY_RECORD = (*_NO_MOVE, 0, None)
+_CLAIM_OF = operator.attrgetter(*_CLAIM_KEYS)
+_RECORD_OF = operator.attrgetter(*_RECORD_KEYS)
+assert COLUMNS == ("host", *_CLAIM_KEYS[:2], "record_gen", *_CLAIM_KEYS[2:-1], *_RECORD_KEYS[:-2],
+                   "updated_at", "seq", "claim_json", "record_json"), "HostRow's columns moved: update the fold"
+
+
+def _row(host: str, claim: tuple[object, ...], record: tuple[object, ...], at: int, seq: int) -> HostRow:
+    """A row from its claim and record parts (the order of :class:`HostRow`'s fields)."""
+    return HostRow(host, claim[0], claim[1], record[11], *claim[2:8], *record[:11], at, seq,  # type: ignore[arg-type, call-arg]
+                   claim[8], record[12])
 
 
 def step(prev: HostRow | None, t: Transition, seq: int) -> Step:
@@ -147,10 +136,9 @@ def step(prev: HostRow | None, t: Transition, seq: int) -> Step:
         notes.append(Note("gap", f"{obj} gen {prev_gen} -> {t.gen}: gens {prev_gen + 1}..{t.gen - 1} "
                                  "are not on the stream"))
     if obj == "claim":
-        part = _claim_part(t.state)  # type: ignore[arg-type]
-        other = _EMPTY_RECORD if prev is None else {k: getattr(prev, k) for k in _RECORD_KEYS}
+        claim = _claim_part(t.state)  # type: ignore[arg-type]
+        record = _EMPTY_RECORD if prev is None else _RECORD_OF(prev)
     else:
-        part = _record_part(t.state)  # type: ignore[arg-type]
-        other = _EMPTY_CLAIM if prev is None else {k: getattr(prev, k) for k in _CLAIM_KEYS}
-    row = HostRow(host=t.host, updated_at=t.meta.at, seq=seq, **part, **other)  # type: ignore[arg-type]
-    return Step(row, tuple(notes))
+        record = _record_part(t.state)  # type: ignore[arg-type]
+        claim = _EMPTY_CLAIM if prev is None else _CLAIM_OF(prev)
+    return Step(_row(t.host, claim, record, t.meta.at, seq), tuple(notes))

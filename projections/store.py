@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import logging
+import operator
 import os
 import re
 import sqlite3
@@ -111,7 +112,9 @@ _ROW_COLS = ", ".join(COLUMNS)
 _VIEW_COLS = _ROW_COLS + ", revision"
 _UPSERT = f"INSERT OR REPLACE INTO hosts ({_VIEW_COLS}) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})"
 _DELETED_IX = COLUMNS.index("deleted")
-_SELECT_ROW = f"SELECT {_ROW_COLS} FROM hosts WHERE host = ?"
+_IN_CHUNK = 500
+ROW_CACHE_MAX = 100_000
+"""Rows kept in memory between batches (the writer's own commits); past it the next batch reads them again."""
 _SELECT_VIEW = f"SELECT {_VIEW_COLS} FROM hosts WHERE host = ?"
 _SELECT_CHANGES = f"SELECT {_VIEW_COLS} FROM hosts WHERE revision > ? ORDER BY revision LIMIT ?"
 
@@ -174,6 +177,18 @@ def _row(row: Sequence[Any]) -> HostRow:
     values = list(row)
     values[_DELETED_IX] = bool(values[_DELETED_IX])
     return HostRow(*values)
+
+
+_JSON_IX = (COLUMNS.index("claim_json"), COLUMNS.index("record_json"))
+_ROW_VALUES = operator.attrgetter(*COLUMNS)
+
+
+def _stored(row: HostRow) -> list[Any]:
+    """The row's column values as written: claim and record structs as canonical JSON text."""
+    values = list(_ROW_VALUES(row))
+    for i in _JSON_IX:
+        values[i] = as_json(values[i])
+    return values
 
 
 def make_cursor(identity: str, revision: int) -> str:
@@ -278,6 +293,8 @@ class _Db:
         self.identity: str = row[0]
         self.origin: int = row[1]
         self.stream: str = row[2]
+        self._cache: tuple[tuple[int, int], dict[str, HostRow | None]] | None = None
+        """The rows as of the last commit here, and the (revision, position) they are valid at."""
 
     @classmethod
     def create(cls, path: Path, identity: str, *, origin: int, stream: str, now_ms: int) -> _Db:
@@ -334,38 +351,37 @@ class _Db:
         try:
             revision, position = self.source(conn)
             start = (revision, position)
+            rows = self._rows_at(start)
             dirty: dict[str, tuple[HostRow, int]] = {}
             notes: list[tuple[int, str, str | None, str, int]] = []
             applied = skipped = stale = 0
+            self._load_missing(rows, {t.host for _, t in decoded if t.host not in rows})
             for msg, t in decoded:
-                if msg.seq <= position:
+                seq = msg.seq
+                if seq <= position:
                     skipped += 1
                     continue
-                if msg.seq != position + 1:
-                    gap = f"stream seq {position} -> {msg.seq}: messages missing from the stream"
-                    notes.append((msg.seq, "stream_gap", None, gap, now_ms))
-                if t.host in dirty:
-                    prev: HostRow | None = dirty[t.host][0]
-                else:
-                    found = conn.execute(_SELECT_ROW, (t.host,)).fetchone()
-                    prev = _row(found) if found is not None else None
-                out = step(prev, t, msg.seq)
+                if seq != position + 1:
+                    gap = f"stream seq {position} -> {seq}: messages missing from the stream"
+                    notes.append((seq, "stream_gap", None, gap, now_ms))
+                out = step(rows[t.host], t, seq)
                 for note in out.notes:
-                    notes.append((msg.seq, note.kind, t.host, _reason(note.reason), now_ms))
+                    notes.append((seq, note.kind, t.host, _reason(note.reason), now_ms))
                 if out.row is None:
                     stale += 1
                 else:
                     if revision >= MAX_SAFE_INTEGER:
                         raise RevisionOverflow("the projection revision would pass 2**53 - 1")
                     revision += 1
+                    rows[t.host] = out.row
                     dirty[t.host] = (out.row, revision)
                     applied += 1
-                position = msg.seq
+                position = seq
             if dirty:
-                conn.executemany(
-                    _UPSERT,
-                    [(*(as_json(getattr(row, c)) for c in COLUMNS), rev) for row, rev in dirty.values()],
-                )
+                params = [(*_stored(row), rev) for row, rev in dirty.values()]
+                conn.executemany(_UPSERT, params)
+                for values in params:  # the cache holds what was written (claim and record as text)
+                    rows[values[0]] = _row(values[:-1])
             if notes:
                 conn.executemany("INSERT OR IGNORE INTO errors VALUES (?, ?, ?, ?, ?)", notes)
             if (revision, position) != start:
@@ -374,9 +390,30 @@ class _Db:
                 before_commit(position)
             conn.execute("COMMIT")
         except BaseException:
+            self._cache = None
             conn.execute("ROLLBACK")
             raise
+        self._cache = ((revision, position), rows) if len(rows) <= ROW_CACHE_MAX else None
         return Applied(applied, skipped, stale, position, revision)
+
+    def _rows_at(self, source: tuple[int, int]) -> dict[str, HostRow | None]:
+        """The rows cached by the last commit, when nothing changed the database since (same revision and
+        position: every change to ``hosts`` bumps the revision); otherwise an empty cache."""
+        if self._cache is not None and self._cache[0] == source:
+            return self._cache[1]
+        return {}
+
+    def _load_missing(self, rows: dict[str, HostRow | None], hosts: set[str]) -> None:
+        """Read the rows of ``hosts`` (``None`` for a host not in the view yet) into ``rows``, a few
+        statements per batch instead of one per host."""
+        missing = list(hosts)
+        for i in range(0, len(missing), _IN_CHUNK):
+            chunk = missing[i : i + _IN_CHUNK]
+            for host in chunk:
+                rows[host] = None
+            sql = f"SELECT {_ROW_COLS} FROM hosts WHERE host IN ({', '.join('?' * len(chunk))})"
+            for found in self.conn.execute(sql, chunk):
+                rows[found[0]] = _row(found)
 
     def note(self, entry: tuple[int, str, str | None, str, int]) -> None:
         self.conn.execute("INSERT OR IGNORE INTO errors VALUES (?, ?, ?, ?, ?)", entry)

@@ -226,6 +226,34 @@ async def test_a_crash_rolls_back_the_whole_batch(
     assert store.apply_batch(msgs).skipped == 10 and store.revision() == 10
 
 
+async def test_the_writers_row_cache_never_outlives_a_rollback_or_another_writer(
+    open_store: StoreFactory, feeder: Feeder, log: MemoryEventLog, tmp_path: Path
+) -> None:
+    """The rows a writer keeps between batches are its own last commit's: a rolled-back batch and a commit by
+    another connection on the same root both make it read them again (else gens would look stale or gapped)."""
+    for i in range(15):
+        await feeder.claim(f"c{i % 3}")
+        await feeder.record(f"c{i % 3}")
+    msgs = [m async for m in log.replay(LEDGER_STREAM)]
+    a, b = open_store(tmp_path / "shared"), open_store(tmp_path / "shared")
+    a.apply_batch(msgs[:10])
+
+    def boom(_position: int) -> None:
+        raise Crash
+
+    a.before_commit = boom
+    with pytest.raises(Crash):
+        a.apply_batch(msgs[10:20])
+    a.before_commit = None
+    assert a.apply_batch(msgs[10:20]).applied == 10
+    assert b.apply_batch(msgs[20:25]).applied == 5
+    assert a.apply_batch(msgs[25:]).applied == 5
+    assert (a.revision(), a.position(), a.errors()) == (30, 30, [])
+    single = open_store(tmp_path / "single")
+    single.apply_batch(msgs)
+    assert [h.state() for h in a.snapshot().hosts] == [h.state() for h in single.snapshot().hosts]
+
+
 async def test_batches_coalesce_a_host_to_its_latest_revision(store: ProjectionStore, feeder: Feeder,
                                                               log: MemoryEventLog) -> None:
     for _ in range(5):
