@@ -141,9 +141,9 @@ class CountingStore:
         return await self.inner.copy(bucket, key, src_bucket=src_bucket, src_key=src_key,
                                      src_version_id=src_version_id)
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
         self._count(bucket, "list_versions")
-        return await self.inner.list_versions(bucket, prefix)
+        return await self.inner.list_versions(bucket, prefix, after=after)
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         self._count(bucket, "list_keys")
