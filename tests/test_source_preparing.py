@@ -358,12 +358,12 @@ async def grow(w: World, syncs: int) -> None:
 
 async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) -> None:
     """Issue 19 item 9 (§7.3 rounds): after its first round, a preparing round of a host with about 1,000 files and
-    versions stored makes as many S3 requests as one with about 50, for the same change since the last round (three
+    versions stored makes as many S3 requests (within one) as one with about 50, for the same change since the last round (three
     new level-0 files merged into a new level-1 file): it lists each level only after what the journal records
     there and looks again only at what the new file covers. The lane mirrors the source's current files exactly."""
     costs: dict[int, Counter[str]] = {}
     stored: dict[int, int] = {}
-    for syncs in (20, 400):
+    for syncs in (20, 600):
         w: World = await make_world()
         await grow(w, syncs)
         scope = GenerationScope(f"instances/{w.host}/{INC}", "g1")
@@ -380,11 +380,11 @@ async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) ->
         src = {k[len(scope.prefix):] for k in await w.b.store.list_keys(w.b.ie, scope.prefix) if scope.parse(k)}
         assert {k[len(staged):] for k in await w.b.store.list_keys(w.b.uk, staged)} == src, \
             "replica/ holds exactly the generation's current files after the round"
-    assert stored[400] > 1000 > 20 * stored[20] // 10
-    small, big = sum(costs[20].values()), sum(costs[400].values())
-    assert big <= small + 1, f"a round with {stored[400]} versions stored made {big} requests, with {stored[20]} " \
-        f"{small}: {dict(costs[400])} against {dict(costs[20])}"
-    assert costs[400]["list_object_versions"] == costs[20]["list_object_versions"]
+    assert stored[600] >= 1000 and stored[20] <= 60, stored
+    small, big = sum(costs[20].values()), sum(costs[600].values())
+    assert big <= small + 1, f"a round with {stored[600]} versions stored made {big} requests, with {stored[20]} " \
+        f"{small}: {dict(costs[600])} against {dict(costs[20])}"
+    assert costs[600]["list_object_versions"] == costs[20]["list_object_versions"]
 
 
 async def test_a_round_stages_the_marker_once_mirrors_the_replica_and_reports(make_world: Any) -> None:

@@ -13,6 +13,16 @@ source's own replica with that journal, never with a listing of the target; the 
 records (§7.3 "Seal by version"), so a stale round's later version, a pending write that landed unrecorded, or an
 object someone else wrote is never named and the landing never reads it.
 
+**What a round costs (issue 19 item 9).** A preparing round's requests follow what changed since the last round,
+never the files the host has stored: a level's keys are ordered by TXID and a writer only adds files above the
+newest of a level, so a round lists each level after the newest file the journal records there
+(:func:`round_tails`, S3's ``KeyMarker``) and looks again (one HEAD each) only at the files a new compacted file
+covers, which are all a compaction deletes (:func:`covered`, :func:`plan_round`). What that cannot see (a key
+rewritten in place, a delete by retention, a late upload below a tail) is left for the final mirror at ``staged``,
+which lists the whole generation as every mirror did: the seal is decided from that listing and the journal alone,
+so a round's shortcut never reaches a landing. A crash between the journal's pending record and its versions leaves
+the pending names above the tails, listed again; a journal that records no replica file yet lists everything.
+
 **Under the staging-work lease.** Every request is preceded by :meth:`StagingWork.before_sign
 <services.move.lease.StagingWork.before_sign>` (§7.3 "Sign only before SafeUntil"); the journal is written by
 CAS, so two writers never interleave silently (a lost CAS stops the round).
