@@ -21,10 +21,10 @@ values, and is moved to the ``uk`` box by :func:`tests.helpers.e2e.run_move` on 
   roster) and the data buckets (replica, lanes, evidence), counted by a proxy around the one ``ObjectStore`` every
   service here shares; and the messages each JetStream stream gained during the move.
 - **A preparing round's cost against the history stored** (issue 19 item 9, §7.3 rounds): a host grown by many
-  small writes (each a sync and the sync loop's compaction ladder, so its generation holds about one current file a
-  write and their compacted versions and markers) is asked to move with a manual cut; after its first round (which
-  stages everything) each round follows three more such writes, and its S3 requests (the source's round and the
-  target's readiness report) are printed against the objects stored, for :data:`ROUND_SYNCS` writes. Context only.
+  small writes (each a sync and the sync loop's compaction ladder) is asked to move with a manual cut; after the
+  rounds that stage everything (one, or more when a round reaches its lease's ``SafeUntil``), each round follows
+  three more such writes, and its S3 requests (the source's round and the target's readiness report) are printed
+  against the objects stored, for :data:`ROUND_SYNCS` writes. Context only.
 
 The last line is ``RESULT move ratio=<worst window/floor> target=3``; above the target it exits 1. A move that
 does not close as done on the target, or loses an acknowledged write, also exits 1.
@@ -498,12 +498,12 @@ def report(rows: list[Row]) -> float:
 
 def report_rounds(rows: list[RoundRow]) -> None:
     print("\nS3 requests per preparing round against the objects stored under the host's generation (source round "
-          "+ target readiness; after the first round, three writes before each)")
+          "+ target readiness; after the rounds that stage it all, three writes before each)")
     verbs = sorted({k for r in rows for c, _ in r.rounds for k in c})
     for r in rows:
         mean = sum(sum(c.values()) for c, _ in r.rounds) / len(r.rounds)
         secs = sum(t for _, t in r.rounds) / len(r.rounds)
-        print(f"stored {r.versions:>5} versions ({r.current:>4} current, {r.syncs} writes): first round {r.first} "
+        print(f"stored {r.versions:>5} versions ({r.current:>4} current, {r.syncs} writes): staging it all {r.first} "
               f"requests {r.first_s:.2f} s; later rounds {mean:.1f} requests {secs:.2f} s each: "
               + " ".join(f"{side}:{verb}={sum(c[side, verb] for c, _ in r.rounds) / len(r.rounds):.1f}"
                          for side, verb in verbs))
