@@ -360,10 +360,9 @@ async def grow(w: World, syncs: int) -> None:
 @pytest.mark.timeout(900)
 async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) -> None:
     """Issue 19 item 9 (§7.3 rounds): after its first round, a preparing round of a host with about 1,000 files and
-    versions stored makes as many S3 requests (within one) as one with about 50, for the same change since the last
-    round (three new level-0 files merged into a new level-1 file): it lists each level only after what the journal
-    records there and looks again only at what the new file covers. The lane mirrors the source's current files
-    exactly."""
+    versions stored makes as many S3 requests (within one) as one with about 50, for the same change since the last round (three
+    new level-0 files merged into a new level-1 file): it lists each level only after what the journal records
+    there and looks again only at what the new file covers. The lane mirrors the source's current files exactly."""
     costs: dict[int, Counter[str]] = {}
     stored: dict[int, int] = {}
     for syncs in (21, 540):
