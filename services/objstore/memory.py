@@ -435,12 +435,11 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ listings
 
-    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
         def effect() -> list[VersionEntry]:
             b = self._bucket(bucket)
             out: list[VersionEntry] = []
-            keys = b.under(prefix)
-            for key in keys[bisect.bisect_right(keys, after):] if after else keys:
+            for key in b.under(prefix):
                 versions = b.keys[key]
                 for i, v in enumerate(reversed(versions)):
                     out.append(
