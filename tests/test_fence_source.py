@@ -34,12 +34,11 @@ from services.box.roster import init_box
 from services.door.api import Door
 from services.door.auth import Identity
 from services.door.decide import MoveRequest
-from services.ledger.audit import run_audit
 from services.ledger.ledger import NoChange, Refusal
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
 from services.recovery.relocation import decide_converted_record, decide_fence_converts_moving
-from tests.helpers.agents import agent_world, data_buckets, drain_box_groups, eventually
+from tests.helpers.agents import agent_world, audit_settles, data_buckets, drain_box_groups, eventually
 from tests.test_agent import APP, create_and_write
 from tests.test_declare_lost import cli
 
@@ -125,15 +124,7 @@ async def test_a_source_fenced_before_the_flip_becomes_a_relocation_that_waits_f
             served_db = instance_dir(w.root / "boxes" / replacement / "data", host) / f"{host}.db"
             assert missing_from_db(served_db, list(acks)) == [], "every durable write serves on the replacement"
             assert await asyncio.to_thread(post_write, port, "after the conversion") > seqs[-1]
-
-            async def audited() -> bool:
-                return (await run_audit(w.events, w.ledger, host=host)).clean(strict=True)
-
-            try:
-                await eventually(audited, f"a clean audit of {host}", 15)
-            except AssertionError:
-                audit = await run_audit(w.events, w.ledger, host=host)
-                raise AssertionError([f.line() for f in audit.findings]) from None
+            await audit_settles(w.events, w.ledger, host)
         finally:
             new_agent.stop()
             drain_box_groups(replacement, w.deployment)

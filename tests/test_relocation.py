@@ -35,7 +35,6 @@ from services.box.replica.restore import restore_generation
 from services.box.roster import RosterRefusal, init_box, read_roster
 from services.hosts.create import create_host
 from services.ledger import Committed
-from services.ledger.audit import run_audit
 from services.ledger.ledger import NoChange, Refusal
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
@@ -45,7 +44,7 @@ from services.recovery.relocation import (
     decide_relocation_target,
     relocation_id,
 )
-from tests.helpers.agents import agent_world, answers_ready, data_buckets, drain_box_groups, eventually
+from tests.helpers.agents import agent_world, answers_ready, audit_settles, data_buckets, drain_box_groups, eventually
 
 HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
 
@@ -156,14 +155,7 @@ async def test_a_fenced_box_hands_its_host_to_a_replacement_under_a_new_label(
             served_db = instance_dir(w.root / "boxes" / replacement / "data", host) / f"{host}.db"
             assert missing_from_db(served_db, list(acks)) == [], "every durable write serves on the replacement"
             assert await asyncio.to_thread(post_write, new_port, "after the relocation") > seqs[-1]
-            async def audited() -> bool:  # a CAS whose event is still on its way is drift only until it lands
-                return (await run_audit(w.events, w.ledger, host=host)).clean(strict=True)
-
-            try:
-                await eventually(audited, f"a clean audit of {host}", 15)
-            except AssertionError:
-                audit = await run_audit(w.events, w.ledger, host=host)
-                raise AssertionError([f.line() for f in audit.findings]) from None
+            await audit_settles(w.events, w.ledger, host)
             roster, _ = await read_roster(store, w.deploy)
             entry = roster.box(lost) if roster is not None else None
             assert entry is not None and entry.fenced_at is not None

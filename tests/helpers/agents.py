@@ -30,6 +30,7 @@ from services.box.instance.proctree import CgroupTree
 from services.box.roster import ensure_deployment, init_box
 from services.door.decide import Floor
 from services.ledger import Ledger
+from services.ledger.audit import run_audit
 from services.objstore.port import ObjectStore
 from services.objstore.s3 import S3Store
 
@@ -138,6 +139,19 @@ async def data_buckets(stack: StackInfo, unique: Callable[[str], str],
             await store.delete_bucket(f"{p}-{region}")
         await events.close()
         await store.close()
+
+
+async def audit_settles(events: NatsEventLog, ledger: Ledger, host: str, timeout_s: float = 30.0) -> None:
+    """The host's history audits clean (strict) within ``timeout_s``: a CAS whose event is still on its way (a
+    chore's, after a close) is drift only until it lands; on the deadline, the audit's findings."""
+    async def clean() -> bool:
+        return (await run_audit(events, ledger, host=host)).clean(strict=True)
+
+    try:
+        await eventually(clean, f"a clean audit of {host}", timeout_s, every_s=0.5)
+    except AssertionError:
+        audit = await run_audit(events, ledger, host=host)
+        raise AssertionError([f.line() for f in audit.findings]) from None
 
 
 @asynccontextmanager
