@@ -94,15 +94,17 @@ def test_the_three_nats_nodes_form_one_jetstream_cluster_that_takes_a_stream_of_
     """The compose file's NATS (issue 19 item 4): three nodes of one JetStream cluster, every hostmove service told
     of all three and the streams' replicas 3. The three commands as written are started here with the embedded
     extra's ``nats-server`` (each node's name and ports mapped to loopback, its ``/data`` to a directory, the users
-    file to one of a single admin): they elect a meta leader, take a stream of three replicas and a message on it."""
+    file to one of a single admin): they elect a meta leader and the project's client declares its streams there
+    with three replicas, each current on all three nodes."""
     import asyncio
     import json
 
-    import nats
-
-    from hostmove.access import ADMIN, NatsUser, nats_config, new_nkey_seed, public_nkey
+    from bus.nats_log import NatsEventLog
+    from bus.subjects import LEDGER_STREAM
+    from hostmove.access import ADMIN, NatsUser, inbox_prefix, nats_config, new_nkey_seed, public_nkey
     from hostmove.probe_apps import free_port
     from hostmove.stack import NATS_BIN
+    from kernel.credentials import Credentials
 
     services = compose["services"]
     env = compose["x-hostmove"]["environment"]
@@ -131,32 +133,23 @@ def test_the_three_nats_nodes_form_one_jetstream_cluster_that_takes_a_stream_of_
             procs.append(subprocess.Popen([str(NATS_BIN), *argv, "-a", "127.0.0.1", "-p", str(mine["client"])],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
-        async def cluster() -> None:
-            nc = await nats.connect(servers=[f"nats://127.0.0.1:{ports[n]['client']}" for n in NATS_NODES],
-                                    nkeys_seed_str=seed, connect_timeout=5)
+        async def cluster() -> None:  # the project's own client: it declares the streams with three replicas
+            url = ",".join(f"nats://127.0.0.1:{ports[n]['client']}" for n in NATS_NODES)
+            creds = Credentials(role=ADMIN, nats_seed=seed, inbox_prefix=inbox_prefix(ADMIN))
+            events = await asyncio.wait_for(NatsEventLog.connect(url, credentials=creds, replicas=3, wait=True), 90)
             try:
-                js = nc.jetstream()
                 deadline = asyncio.get_running_loop().time() + 60
-                while True:  # the stream is refused until the meta leader is elected
-                    try:
-                        info = await js.add_stream(name="CLUSTERED", subjects=["clustered.>"], num_replicas=3)
-                        break
-                    except Exception:
-                        if asyncio.get_running_loop().time() > deadline:
-                            raise
-                        await asyncio.sleep(0.5)
-                assert info.config.num_replicas == 3
-                assert (await js.publish("clustered.one", b"x")).seq == 1
-                while True:  # every replica current
-                    state = await js.stream_info("CLUSTERED")
-                    peers = state.cluster.replicas if state.cluster is not None else []
-                    if state.cluster is not None and len(peers or []) == 2 and all(p.current for p in peers or []):
+                while True:  # every replica of the ledger stream current
+                    state = await events.js.stream_info(LEDGER_STREAM)
+                    peers = (state.cluster.replicas or []) if state.cluster is not None else []
+                    if state.cluster is not None and len(peers) == 2 and all(p.current for p in peers):
                         break
                     assert asyncio.get_running_loop().time() < deadline, state.cluster
                     await asyncio.sleep(0.5)
-                assert {state.cluster.leader, *(p.name for p in peers or [])} == {"nats-1", "nats-2", "nats-3"}
+                assert state.config.num_replicas == 3
+                assert {state.cluster.leader, *(p.name for p in peers)} == {"nats-1", "nats-2", "nats-3"}
             finally:
-                await nc.close()
+                await events.close()
 
         asyncio.run(cluster())
     finally:
