@@ -30,6 +30,7 @@ from kernel import rules
 from kernel.ports import ManualClock, SystemRandom, WallClock
 from moveprobe.config import probe_env
 from services.box.artifacts.archive import build_archive, manifest_bytes
+from services.box.artifacts.filesmanifest import read_manifest
 from services.box.artifacts.markers import read_files_gen, read_generation_marker, read_local_gen
 from services.box.artifacts.sealing import generate_private_key, secrets_key_fp
 from services.box.instance.proctree import CgroupTree, SpawnJournal, current_cgroup_dir
@@ -699,6 +700,10 @@ async def assert_landed(
         assert [a.generation for a in admissions] == [MV, claim.holder.generation] and claim.holder.generation != MV
         lost = admissions[-1].writes_lost
         assert lost is not None and (lost.box, lost.generation, lost.session) == (TGT, MV, admissions[0].session)
+        # L17: the fresh generation holds its own files manifest, so the dead generation's park is not kept waiting
+        files = await read_manifest(w.store, w.bucket, claim.holder.location, claim.holder.generation)
+        assert files is not None, "the restarted probe's generation has no files manifest"
+        assert "uploads/a.txt" in {e.path for e in files.manifest.files}, files.manifest
     else:
         assert [a.generation for a in admissions] == [MV] and admissions[0].coverage == "sealed"
         assert admissions[0].writes_lost is None

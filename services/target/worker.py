@@ -695,6 +695,7 @@ class LandingWorker:
                                                   restored.txid, box.clock)
             except InstallError as exc:
                 raise LandingFailure(f"the restarted probe's generation could not be written: {exc}") from None
+            await self._probe_files(host, out.state, new_gen)
         write_local_gen(db_path, new_gen)
         current = await read_generation_marker(box.data_store, box.data_bucket, location)
         marker = GenerationMarker(
@@ -710,6 +711,22 @@ class LandingWorker:
                  extra=ctx(host=host, op_id=move.id, box=box.label, phase="probe", generation=new_gen, base=base))
         await self._publish(host, out.state)
         return new_gen
+
+    async def _probe_files(self, host: str, claim: Claim, generation: str) -> None:
+        """L17 "every installation writes a files manifest in its new generation": a restarted probe's fresh
+        generation gets the installed files' manifest before its marker. Without it ``g-<move>`` stays the host's
+        newest manifest, so its ``park-generation`` waits for good and the move never closes (the crash matrix's
+        kill during probing). Create-only: a replay with the same files is a replay."""
+        assert claim.holder is not None
+        holder = claim.holder
+        binding = Binding(host=host, incarnation=holder.incarnation, location=holder.location,
+                          generation=generation, op=claim.op.id, stamp=holder.stamp, region=self.box.region)
+        try:
+            await publish_manifest(self.box.data_store, self.box.data_bucket, binding, self.box.files_dir(host),
+                                   self.box.env_path(host))
+        except (FilesManifestError, ArchiveError, ValueError) as exc:
+            raise LandingFailure(f"the installed files could not be published as the files manifest of the "
+                                 f"restarted probe's generation {generation}: {exc}") from None
 
     async def _publish(self, host: str, claim: Claim) -> None:
         """``PublishGeneration`` after the probe's marker (§7.14 item 5: every cold admission publishes, a prepared
