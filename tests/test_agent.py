@@ -13,6 +13,7 @@ import os
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,26 @@ def where_acks_are(w: AgentWorld, host: str) -> str:
         for db in sorted(w.box_dir(region).rglob(f"{host}.db")):
             lacks = missing_from_db(db, missing)
             lines.append(f"  {db.relative_to(w.root)}: holds {len(missing) - len(lacks)} of them")
-    return "\n".join(lines)
+    return "\n".join(lines) + timeline(w, host, min(a.ts_ms for a in missing))
+
+
+def timeline(w: AgentWorld, host: str, at_ms: int, around_ms: int = 4000, cap: int = 80) -> str:
+    """The agents' log lines about ``host`` within ``around_ms`` of ``at_ms``, in time order: what each box did
+    around a missing acknowledgement (the CI run keeps no files, only this message)."""
+    out: list[tuple[str, str]] = []
+    lo = datetime.fromtimestamp((at_ms - around_ms) / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:23]
+    hi = datetime.fromtimestamp((at_ms + around_ms) / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:23]
+    for region, agent in w.agents.items():
+        with contextlib.suppress(OSError):
+            for raw in agent.log.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    line = json.loads(raw)
+                    stamp = str(line.get("time", ""))[:23]
+                    if line.get("host") == host and lo <= stamp <= hi:
+                        out.append((stamp, f"{stamp} {region} {line.get('message', '')}"[:300]))
+    out.sort()
+    shown = [text for _, text in out[:cap]]
+    return f"\nthe agents around {at_ms} (±{around_ms} ms):\n  " + "\n  ".join(shown) if shown else ""
 
 
 async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_deaths: int = 0) -> None:

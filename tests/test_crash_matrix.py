@@ -62,7 +62,7 @@ def occurrences(log: Path) -> list[tuple[str, int]]:
 
 
 GENERIC = frozenset({"after_cas", "after_publish"})  # repeated by the ledger's named points
-RACED = ("claim:release", "claim:move-follow")
+RACED = ("claim:release", "claim:move-follow", "claim:claim-follows-record")
 """Claim halves that follow the record and are written by whichever participant reads it first (§7.5)."""
 
 
@@ -113,8 +113,10 @@ def test_the_clean_run_reaches_the_failpoints(clean_points: dict[str, list[tuple
     for transition in ("record:cut-admit", "record:cut-flip"):
         assert {f"before_cas:{transition}", f"after_cas:{transition}"} <= ie, (transition, sorted(ie))
     # the flip's claim half is written by whichever participant reads the record first (§7.5); on a loaded machine a
-    # participant's CAS can lose to a write of the same half under another step, and its retry meets no change
-    assert "before_cas:claim:move-follow" in ie | uk, sorted(ie | uk)
+    # participant's CAS can lose to a write of the same half under another step, and its retry meets no change; the
+    # target's landing writes it as ``claim-follows-record`` (the same decider, claim_half)
+    follows = {"before_cas:claim:move-follow", "before_cas:claim:claim-follows-record"}
+    assert follows & (ie | uk), sorted(ie | uk)
     assert {"before_cas:record:commit", "after_cas:record:opened"} <= uk, sorted(uk)
     for phase in ("checking", "parking", "building", "local", "probing"):
         assert f"before_effects:{phase}" in uk and f"after_effects:{phase}" in uk, (phase, sorted(uk))
