@@ -34,7 +34,7 @@ browser:
 
 # Each benchmark prints `RESULT <name> ratio=<x> target=<y>` last and exits non-zero below target;
 # `make bench` runs them all and reports every result before failing.
-BENCHES := ledger projection replication archive move sim retention readiness
+BENCHES := ledger projection replication archive move sim retention readiness scale
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(BIN)/python -m bench.$$b || rc=1; done; exit $$rc
 

@@ -22,7 +22,9 @@ Every ``hostmove serve`` service serves :data:`REGISTRY` as ``/metrics`` on its 
   ``hostmove_consumer_deliveries_total``, ``hostmove_consumer_redeliveries_total`` and ``hostmove_consumer_pending``
   (``num_pending`` at its last delivery), each by ``durable``;
 - **alerts**: ``hostmove_alerts_total{kind}``, each alert and incident this process raised;
-- **a box**: ``hostmove_box_instances_running{box}`` and ``hostmove_box_routes_held{box}``.
+- **a box**: ``hostmove_box_instances_running{box}`` and ``hostmove_box_routes_held{box}``; its backstop (issue 19
+  item 2): ``hostmove_box_scans_total{box}`` (each look at the claims ended) and
+  ``hostmove_box_scan_claims_read_total{box}`` (the claims it GET: new or changed since its last look).
 
 Recording never fails its caller and never blocks; the labels are bounded sets (no host names: a fleet has many).
 """
@@ -40,7 +42,7 @@ from kernel import ports
 
 __all__ = [
     "CONTENT_TYPE", "PHASES", "REGISTRY", "MoveObservation", "alert_raised", "delivered", "exposition",
-    "move_observation", "observe_record", "set_budget",
+    "move_observation", "observe_record", "scanned", "set_budget",
 ]
 
 REGISTRY: Final = CollectorRegistry()
@@ -85,6 +87,10 @@ ALERTS = Counter("hostmove_alerts", "Alerts and incidents raised, by kind", ["ki
 BOX_INSTANCES = Gauge("hostmove_box_instances_running", "Instances running on a box", ["box"], registry=REGISTRY)
 BOX_ROUTES_HELD = Gauge("hostmove_box_routes_held", "Route rows held by a move on a box (§5.2)", ["box"],
                         registry=REGISTRY)
+BOX_SCANS = Counter("hostmove_box_scans", "A box agent's backstop looks at the claims, ended (issue 19 item 2)",
+                    ["box"], registry=REGISTRY)
+BOX_SCAN_READS = Counter("hostmove_box_scan_claims_read", "Claims a box agent's backstop read: new or changed since "
+                         "its last look", ["box"], registry=REGISTRY)
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,15 @@ def delivered(durable: str, num_delivered: int) -> None:
     CONSUMER_DELIVERIES.labels(durable=durable).inc()
     if num_delivered > 1:
         CONSUMER_REDELIVERIES.labels(durable=durable).inc()
+
+
+def scanned(box: str, claims_read: int) -> None:
+    """Count one backstop look of ``box`` that read ``claims_read`` claims. Not inside the simulation, as
+    :func:`alert_raised`."""
+    if ports.simulated():
+        return
+    BOX_SCANS.labels(box=box).inc()
+    BOX_SCAN_READS.labels(box=box).inc(claims_read)
 
 
 # Every series of a bounded label set exists from the start, at zero (and the simulation, which runs the ledger,

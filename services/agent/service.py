@@ -7,11 +7,12 @@ moves landing on it. It keeps nothing that matters in memory:
 - **Wake-ups** (issue 19 item 1). The box's durable consumer ``box-<label>`` on ``HM_WORK`` delivers the work
   notices the ledger sends this box (:mod:`services.ledger.notices`: one per transition naming it), each marking
   its host dirty and acknowledged once a pass of that host has ended well, so a notice sent while the agent was
-  down, or taken by an agent that died before its pass, wakes the next agent (:meth:`BoxAgent.consume`). A scan of
-  the claims every ``scan_s`` (``HOSTMOVE_SCAN_S``; the first one ``scan_s`` after the start, the hosts the box
-  holds locally passed at once) marks every host whose claim names this box (``op.exec`` or a participant), so a
-  lost notice or a deadline is picked up without one. A step that must wait (a
-  park's horizon, a preparing round's pace) schedules its own wake.
+  down, or taken by an agent that died before its pass, wakes the next agent (:meth:`BoxAgent.consume`). The
+  backstop every ``scan_s`` (``HOSTMOVE_SCAN_S``; the first one ``scan_s`` after the start, the hosts the box
+  holds locally passed at once) LISTs the claims with their ETags and GETs only the changed ones
+  (:mod:`services.agent.backstop`, issue 19 item 2): it marks a host whose changed claim names this box, every
+  instance running here and what time alone makes due, so a lost notice is picked up without one. A step that must
+  wait (a park's horizon, a preparing round's pace) schedules its own wake.
 - **A pass** reads the claim and the record fresh and runs what they say this box does next (§7.1-§7.9);
   the workers re-read again before every write (K5) and every phase is journaled before its effects, so a
   pass after a crash replays to the same outcome.
@@ -54,6 +55,7 @@ from kernel.fsutil import atomic_write
 from kernel.logctx import ctx
 from kernel.passes import DEFAULT_WORKERS, PassPool, workers_override
 from kernel.ports import Clock, Random, blocking
+from services.agent.backstop import CLAIMS_PREFIX, Here, Seen, look, to_read
 from services.agent.config import (
     TIMER_PATH,
     BoxConfig,
@@ -87,7 +89,6 @@ from services.box.instance.activator import (
     StartPolicy,
     StartRefused,
 )
-from services.box.instance.coverage import lost_owner_chores
 from services.box.instance.instances import Instances
 from services.box.instance.peer import answered_by_leaf
 from services.box.instance.proctree import ProcessTree
@@ -116,8 +117,6 @@ from services.target.readiness import BoxFacts
 from services.target.worker import LandingWorker, ProbeFactory, TargetBox
 
 log = logging.getLogger("hostmove.agent")
-
-CLAIMS_PREFIX = "control/hosts/"
 
 rules.register(
     "commit-before-open",
@@ -339,6 +338,7 @@ class BoxAgent:
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
             retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))
         self._sweep_next: dict[str, float] = {}
+        self._seen: dict[str, Seen] = {}  # the backstop's claims, each by the ETag of the GET that read it
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
         """A claim or record that is never state skips its host only, alerted once per version (issue 14 item 6)."""
         self.sleep = SleepMarks(cfg.box_dir)
@@ -715,29 +715,49 @@ class BoxAgent:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def scan(self) -> set[str]:
-        """Every host whose claim names this box (exec, participant or a chore's owner, K8, or a lost box's chore in
-        its region to adopt, §7.10); the others get the
-        region's straggler sweep on its own cadence (``sweep_s``). Every claim is read fresh: a listing's ETag can
-        be older than the object (a store's listing lags its writes, as the simulation's does), and a claim kept
-        from an older read missed a move naming this box until its prepare bound aborted it (move seed 44)."""
-        keys = await self.store.list_keys(self.bucket, CLAIMS_PREFIX)
-        hosts = set()
-        for key in keys:
-            if not key.endswith(".json"):
-                continue
-            host = unquote(key[len(CLAIMS_PREFIX):-5])
+        """The backstop (issue 19 item 2; :mod:`services.agent.backstop`): LIST the claims with their ETags, GET only
+        those whose ETag differs from the one this agent's last GET of it answered, and answer the hosts to pass: a
+        claim changed that names this box, every instance running here (K6) and the work time alone makes due here
+        (:func:`~services.agent.backstop.look`); the others get the region's straggler sweep on its own cadence
+        (``sweep_s``), from the claim last read. A listing's ETag can be older than the object (a store's listing
+        lags its writes, as the simulation's does; move seed 44): each claim is kept by the ETag of the GET that read
+        it, never by the listing's, so a lagging listing costs at most a GET that finds it unchanged or a period's
+        delay until a later listing shows the write, never a miss; and the prompt path is the work notice (issue 19
+        item 1), the backstop only what a lost one needs. A pass reads its host fresh before it acts (K5, spec §7),
+        so a kept claim only ever chooses whom to look at. The outbox's alerts are flushed here too (§7.14 item 2)."""
+        listing = await self.store.list_entries(self.bucket, CLAIMS_PREFIX)
+        reads, listed = to_read(listing, self._seen)
+        for host in set(self._seen) - set(listed):  # gone (claims are never deleted, C5a: a store's doing)
+            del self._seen[host]
+        changed: set[str] = set()
+        for host in reads:
+            last = self._seen.get(host)
             try:
-                claim = (await self.ledger.read_claim(host)).state
-            except BadObject as bad:  # this host only: every other claim is read on (issue 14 item 6)
+                current = await self.ledger.read_claim(host)
+                seen = Seen(current.etag, current.state)
+            except BadObject as bad:  # this host only, reported once per version (issue 14 item 6)
                 await self.bad_objects.report(bad)
+                seen = Seen(bad.etag, None)
+            if last is None or last.etag != seen.etag:
+                changed.add(host)
+            self._seen[host] = seen
+        hosts = set()
+        now, now_ms = self.clock.monotonic(), self.clock.now_ms()
+        for host in listed:
+            claim = self._seen[host].claim
+            if claim is None:
                 continue
-            if claim is not None and (claim.op.exec == self.label or self.label in claim.op.participants
-                                      or host in self.instances):
+            held = self._held_off.get(host)
+            here = Here(running=host in self.instances, asleep=self.sleep.asleep(host),
+                        held_off=held is not None and now < held.until,
+                        looks_due=self.sweeper.retention.due(host, now_ms) or self.sweeper.serving_due(host, now_ms))
+            decided = look(claim, label=self.label, region=self.cfg.region, changed=host in changed, here=here)
+            if decided.passes:
                 hosts.add(host)
-            elif claim is not None:
-                if any(o.owner == self.label for o in claim.obligations) or lost_owner_chores(claim, self.cfg.region):
-                    hosts.add(host)  # its pass runs the park-generation chores (the sweep below, its park-sweeps)
+            if decided.sweeps:
                 await self._sweep(host, claim)
+        await self.activator.flush_alerts()
+        metrics.scanned(self.label, len(reads))
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
     async def _sweep(self, host: str, claim: Claim) -> None:

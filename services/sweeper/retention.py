@@ -182,6 +182,11 @@ class RetentionSweep:
     """``H`` of the park timing (§5.3): a noncurrent marker version younger than this is kept."""
     _next: dict[str, int] = field(default_factory=dict)
 
+    def due(self, host: str, now_ms: int) -> bool:
+        """Is the look at ``host`` due (:meth:`look` would not skip it): what the agent's backstop passes a sleeping
+        host for (issue 19 item 2)."""
+        return self._next.get(host, 0) <= now_ms
+
     async def look(self, host: str, claim: Claim | None, record: Record | None, *, force: bool = False) -> list[str]:
         """Delete what is due for ``host`` (at most once per ``every_ms`` unless ``force``); what it did."""
         now = self.clock.now_ms()

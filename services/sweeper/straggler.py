@@ -400,6 +400,10 @@ class StragglerSweep:
                 did.append(f"sweep {ob.op} of {ob.scope.location} acknowledged after {len(outcome.events)} event(s)")
         return SweepReport("; ".join(did), min(wakes) if wakes else None)
 
+    def serving_due(self, host: str, now_ms: int) -> bool:
+        """Is the serving box's sweep of ``host`` due (:meth:`serving` would not skip it on its cadence)."""
+        return self._serving_next.get(host, 0) <= now_ms
+
     async def serving(self, host: str, claim: Claim | None) -> SweepReport:
         """The serving box's at-rest sweep of its own region (§6.4): the namespace's residue (older locations, lanes),
         and the dead generations of ``holder.location`` (:func:`dead_generations`), each queued as a

@@ -94,7 +94,7 @@ from services.box.artifacts.markers import (
     write_local_gen,
 )
 from services.box.instance.admission import AdmitRequest, decide_admit_writer
-from services.box.instance.coverage import ROOT, PublishRequest, link_covered, publish_generation
+from services.box.instance.coverage import ROOT, PublishRequest, link_covered, publication_owed, publish_generation
 from services.box.instance.guard import Guarded, host_guard
 from services.box.instance.instances import Instance, Instances, unshipped_path
 from services.box.instance.proctree import ProcessTree, Spawned, StrictRefused
@@ -496,16 +496,10 @@ class Activator:
         a moved claim stopped left records uncovered whose predecessors are this region's and dead. Only for this box's
         own writer, and only once ``generation.json`` here names ``holder.generation`` (never for an unfinished
         start: its marker comes first). Answers whether it published."""
-        if claim is None or claim.holder is None or claim.op.exec != self.ctx.label:
+        if claim is None or claim.holder is None or not publication_owed(claim, self.ctx.label, self.ctx.region):
             return False
         holder = claim.holder
         current = normalize(holder.generation)
-        owed = [a for a in holder.admissions if not a.covered and a.predecessor is not None
-                and a.predecessor_region in (self.ctx.region, "")
-                and normalize(a.predecessor.generation) != current]
-        if not owed or holder.writer_box != self.ctx.label or not holder.admissions \
-                or holder.admissions[-1].box != self.ctx.label:
-            return False
         marker = await read_generation_marker(self.ctx.data_store, self.ctx.data_bucket, holder.location)
         if marker.marker is None or normalize(marker.marker.op) != current:
             return False

@@ -295,6 +295,19 @@ def lost_owner_chores(claim: Claim | None, region: str) -> list[Obligation]:
     return [o for o in claim.obligations if o.kind == PARK_GENERATION and o.region == region and o.owner in lost]
 
 
+def publication_owed(claim: Claim | None, box: str, region: str) -> bool:
+    """Does ``box``, the serving writer of ``claim``, owe a ``PublishGeneration`` (§7.14 "retried after the
+    timeout"): admission records left uncovered whose predecessors are this region's and dead, a publication a store
+    or bus outage or a moved claim stopped. Only for the box's own writer and its own last admission."""
+    if claim is None or claim.holder is None or claim.op.exec != box:
+        return False
+    holder = claim.holder
+    current = normalize(holder.generation)
+    owed = [a for a in holder.admissions if not a.covered and a.predecessor is not None
+            and a.predecessor_region in (region, "") and normalize(a.predecessor.generation) != current]
+    return bool(owed) and holder.writer_box == box and holder.admissions[-1].box == box
+
+
 def decide_adopt_chore(claim: Claim | None, chore: Obligation, box: str) -> Claim | NoChange | Refusal:
     """The adoption CAS of a lost box's chore: ``chore`` becomes ``box``'s, its scope and evidence time kept (K8: a
     chore is acknowledged only by its owner, so it needs one that lives)."""
@@ -323,5 +336,5 @@ __all__ = [
     "MAX_ADMISSIONS", "PARK_GENERATION", "ROOT", "PublishRequest", "born_covered", "chore_generation", "chore_name",
     "chore_op", "cover_parked_predecessors", "cover_region_predecessors", "decide_generation_parked",
     "decide_publish_generation", "is_whole_location", "link_covered", "live_generations", "pending_generation_chores",
-    "publish_generation", "retire_refusal", "trim_admissions",
+    "publication_owed", "publish_generation", "retire_refusal", "trim_admissions",
 ]
