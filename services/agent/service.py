@@ -106,6 +106,7 @@ from services.objstore.port import ObjectStore, StoreUnavailable
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
 from services.sweeper.generations import ChoresReport
+from services.sweeper.lanes import LaneProbeSweep
 from services.sweeper.straggler import StragglerSweep, SweepReport
 from services.target.budget import FAST_BUDGET, PRODUCTION_BUDGET, BudgetTiming, Rates
 from services.target.observe import TargetObserver
@@ -337,6 +338,9 @@ class BoxAgent:
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
             retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))
+        self.lane_probes = LaneProbeSweep(cfg.label, store, cfg.data_bucket, clock,
+                                          every_ms=int(self.timing.sweep_s * 1000))
+        """Other regions' T10 and T11 probes left in this region's bucket (:mod:`services.sweeper.lanes`)."""
         self._sweep_next: dict[str, float] = {}
         self._seen: dict[str, Seen] = {}  # the backstop's claims, each by the ETag of the GET that read it
         self.bad_objects = BadObjects(store, bucket, events, ledger.actor, clock, by=cfg.label)
@@ -757,6 +761,7 @@ class BoxAgent:
             if decided.sweeps:
                 await self._sweep(host, claim)
         await self.activator.flush_alerts()
+        await self.lane_probes.run()
         metrics.scanned(self.label, len(reads))
         return hosts | set(self.instances)  # every instance running here is looked at (K6), whatever names it
 
