@@ -159,7 +159,12 @@ class ActorBase:
         n = self._next_child
         task = asyncio.ensure_future(self._child(coro, what))
         self.children[n] = task
-        task.add_done_callback(lambda _t: self.children.pop(n, None))
+
+        def ended(_t: asyncio.Task[None]) -> None:
+            self.children.pop(n, None)
+            coro.close()  # a child cancelled before it ran never awaited ``coro``: closed, not warned about
+
+        task.add_done_callback(ended)
         return task
 
     async def _child(self, coro: Coroutine[Any, Any, None], what: str) -> None:
