@@ -65,9 +65,11 @@ from sim.world import REGIONS, World
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = Timing()
-GATE_TIMEOUT_S = 1500
+GATE_TIMEOUT_S = 3600
 """Its wall-time bound: a hang guard, not a speed bar (that is bench/sim's). In a full `make test` its workers get a
-small share of the two cores: 870 s measured at stop 24 under the whole suite, 167 s alone, so 900 s left no margin."""
+small share of the two cores: 870 s measured at stop 24 under the whole suite, 167 s alone, so 900 s left no margin;
+the world with moves took 1,034 to 1,372 s under the suite later (523 s alone) and 1,920 s on a machine that also ran
+two other engineers' tests, past the 1,500 s bound that stood then."""
 
 # =================================================================================================
 # the loop and the sandbox
