@@ -401,7 +401,7 @@ async def test_the_sync_loop_compacts_snapshots_and_keeps_everything(tmp_path: P
     rep = await Replicator.open(store, "replica-twin", "instances/h8", "", db, ManualClock())
     stop = asyncio.Event()
     loop_task = asyncio.create_task(
-        rep.run(stop, interval_s=0.005, compact_after=3, max_level=2, snapshot_every=10, checkpoint_every=4)
+        rep.run(stop, interval_s=0.005, compact_after=3, max_level=2, snapshot_ratio=0.5, checkpoint_every=4)
     )
     deadline = asyncio.get_running_loop().time() + 20
     i = 0
