@@ -35,7 +35,7 @@ from events.base import Durable, Ident, canonical, decode
 from services.box.replica.layout import GenerationScope, parse_ltx_name
 from services.move.follow import host_segment, staging_lane
 from services.move.lease import StagingStopped, StagingWork
-from services.objstore.port import Got, Lost, ObjectStore, StoreError, VersionEntry, Won
+from services.objstore.port import Got, InvalidRequest, Lost, ObjectStore, StoreError, VersionEntry, Won
 
 REPLICA: Final = "replica/"
 FILES: Final = "files/"
@@ -170,6 +170,10 @@ class Mirrored:
     max_l0: int
 
 
+async def _still_listed(store: ObjectStore, bucket: str, key: str, version_id: str) -> bool:
+    return any(e.key == key and e.version_id == version_id for e in await store.list_versions(bucket, key))
+
+
 def _latest(entries: list[VersionEntry]) -> dict[str, VersionEntry]:
     return {e.key: e for e in entries if e.is_latest and not e.is_delete_marker}
 
@@ -262,8 +266,16 @@ class Stager:
         try:
             for rel, src_version in plan.copy.items():
                 await self.work.before_sign(f"the COPY into {self.prefix + REPLICA + rel}")
-                won = await self.store.copy(self.bucket, self.prefix + REPLICA + rel, src_bucket=src_bucket,
-                                            src_key=scope.prefix + rel, src_version_id=src_version)
+                try:
+                    won = await self.store.copy(self.bucket, self.prefix + REPLICA + rel, src_bucket=src_bucket,
+                                                src_key=scope.prefix + rel, src_version_id=src_version)
+                except InvalidRequest:
+                    if await _still_listed(src, src_bucket, scope.prefix + rel, src_version):
+                        raise
+                    # the writer's compaction or retention deleted that exact version since the listing: it is
+                    # no longer current, so the round leaves it out; its journal entry stays pending and the next
+                    # round, not finding it at the source, deletes whatever of it staging holds
+                    continue
                 done[REPLICA + rel] = StagedObject(version=_version(won, self.prefix + REPLICA + rel),
                                                    src=src_version)
                 moved += source[rel].size
