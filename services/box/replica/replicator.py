@@ -347,7 +347,9 @@ class Replicator:
         async with self._lock:
             self._check_open()
             files = await list_generation(self.store, self.bucket, self.scope)
-            floor = max((f.max_txid for f in files if f.level == level), default=0)
+            # above every file of this level or higher: a level-(L+1) compaction deletes its level-L inputs, and
+            # a floor of this level alone would fall back under the covered level-0 files they left (a gap)
+            floor = max((f.max_txid for f in files if level <= f.level <= 8), default=0)
             inputs = sorted(
                 (f for f in files if f.level == level - 1 and f.max_txid > floor),
                 key=lambda f: (f.min_txid, f.max_txid),
