@@ -634,6 +634,44 @@ async def test_the_mirror_decides_from_its_journal_and_deletes_only_what_it_stag
     assert world.push.refused == [] and all(w.startswith(("copy", "delete")) for w in world.push.writes)
 
 
+class _CompactsAfterListing:
+    """The source store, with the writer deleting one file's exact version right after the mirror's listing (its
+    compaction or retention racing the round)."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key, self.deleted = store, key, False
+
+    async def list_versions(self, bucket: str, prefix: str = "") -> list[Any]:
+        entries = await self.store.list_versions(bucket, prefix)
+        if not self.deleted:
+            self.deleted = True
+            for e in entries:
+                if e.key == self.key:
+                    await self.store.delete(bucket, self.key, version_id=e.version_id)
+        return entries
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+async def test_a_version_deleted_after_the_listing_is_left_out_of_the_round(world: World) -> None:
+    """The writer deletes its own uploads by exact version (issue 16): a file the mirror listed whose version is gone
+    by the time of its COPY is no longer current, so the round leaves it out of what it staged rather than fail;
+    the next round, not finding it at the source, deletes whatever of it the lane holds."""
+    b, staged = world.b, lane(world.host, world.move_id)
+    scope = GenerationScope(f"instances/{world.host}/{INC}", "g1")
+    victim = scope.prefix + "0000/00000000000000fe-00000000000000fe.ltx"
+    await b.store.put(b.ie, victim, b"compacted away during the round")
+    first = await (await stager_for(world)).mirror(_CompactsAfterListing(b.store, victim), b.ie, scope)  # type: ignore[arg-type]
+    rel = victim[len(scope.prefix):]
+    assert rel not in first.versions and first.versions and first.max_l0 == world.rep.position
+    assert staged + "replica/" + rel not in await b.store.list_keys(b.uk, staged)
+    assert (await journal_of(world)).objects["replica/" + rel].version == "", "it stays pending in the journal"
+    second = await (await stager_for(world)).mirror(b.store, b.ie, scope)
+    assert (second.copied, second.deleted) == (0, 1) and second.versions == first.versions
+    assert "replica/" + rel not in (await journal_of(world)).objects
+
+
 async def test_the_move_marker_is_create_only(world: World) -> None:
     """``move.json`` create-only (§7.3) without reading the lane (M17): a replay is a no-op from the journal; a
     412 after an earlier attempt of ours whose answer was lost is ours; a 412 on a first attempt is another's."""
