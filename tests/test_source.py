@@ -654,22 +654,25 @@ class _CompactsAfterListing:
         return getattr(self.store, name)
 
 
-async def test_a_version_deleted_after_the_listing_is_left_out_of_the_round(world: World) -> None:
+async def test_a_version_deleted_after_the_listing_makes_the_round_list_again(world: World) -> None:
     """The writer deletes its own uploads by exact version (issue 16): a file the mirror listed whose version is gone
-    by the time of its COPY is no longer current, so the round leaves it out of what it staged rather than fail;
-    the next round, not finding it at the source, deletes whatever of it the lane holds."""
+    by the time of its COPY is no longer current, so the round lists again and mirrors that listing (rather than
+    fail, or stage a set with a hole); its pending journal entry is resolved by a delete in the lane."""
     b, staged = world.b, lane(world.host, world.move_id)
     scope = GenerationScope(f"instances/{world.host}/{INC}", "g1")
     victim = scope.prefix + "0000/00000000000000fe-00000000000000fe.ltx"
     await b.store.put(b.ie, victim, b"compacted away during the round")
-    first = await (await stager_for(world)).mirror(_CompactsAfterListing(b.store, victim), b.ie, scope)  # type: ignore[arg-type]
+    racing = _CompactsAfterListing(b.store, victim)
+    first = await (await stager_for(world)).mirror(racing, b.ie, scope)  # type: ignore[arg-type]
     rel = victim[len(scope.prefix):]
-    assert rel not in first.versions and first.versions and first.max_l0 == world.rep.position
-    assert staged + "replica/" + rel not in await b.store.list_keys(b.uk, staged)
-    assert (await journal_of(world)).objects["replica/" + rel].version == "", "it stays pending in the journal"
+    assert racing.deleted and rel not in first.versions and first.versions and first.max_l0 == world.rep.position
+    current = {k[len(scope.prefix):] for k in await b.store.list_keys(b.ie, scope.prefix)}
+    assert set(first.versions) == current, "the round's set is the source's current set"
+    assert first.deleted == 1 and staged + "replica/" + rel not in await b.store.list_keys(b.uk, staged)
+    journal = await journal_of(world)
+    assert {k[len("replica/"):]: o.version for k, o in journal.objects.items()} == first.versions
     second = await (await stager_for(world)).mirror(b.store, b.ie, scope)
-    assert (second.copied, second.deleted) == (0, 1) and second.versions == first.versions
-    assert "replica/" + rel not in (await journal_of(world)).objects
+    assert (second.copied, second.deleted) == (0, 0) and second.versions == first.versions
 
 
 async def test_the_move_marker_is_create_only(world: World) -> None:
