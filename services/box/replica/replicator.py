@@ -510,9 +510,9 @@ class Replicator:
                     settled = True
                 if snapshot_ratio and self._history_bytes >= snapshot_ratio * self._commit * self._page_size > 0:
                     retain = await self.snapshot() is not None or retain
-                if retain:
-                    await self.enforce_retention(keep_snapshots=keep_snapshots, l0_retention_ms=l0_retention_ms)
+                if retain:  # once per snapshot or compaction: a refused retention waits for the next one
                     retain = False
+                    await self.enforce_retention(keep_snapshots=keep_snapshots, l0_retention_ms=l0_retention_ms)
                 if checkpoint_every and tick % checkpoint_every == 0:
                     await self.checkpoint()
             except Exception as exc:  # a failed round is retried; the reason is logged, never swallowed silently
