@@ -155,7 +155,7 @@ def histories(draw: st.DrawFn) -> tuple[list[FileRef], int]:
             files.append(f(0, pos, pos))
         elif action in ("c1", "c2"):
             level = int(action[1])
-            floor = max((x.max_txid for x in files if x.level == level), default=0)
+            floor = max((x.max_txid for x in files if level <= x.level <= 8), default=0)
             inputs = sorted((x for x in files if x.level == level - 1 and x.max_txid > floor),
                             key=lambda x: x.min_txid)
             if len(inputs) < 2:
@@ -401,7 +401,7 @@ async def test_the_sync_loop_compacts_snapshots_and_keeps_everything(tmp_path: P
     rep = await Replicator.open(store, "replica-twin", "instances/h8", "", db, ManualClock())
     stop = asyncio.Event()
     loop_task = asyncio.create_task(
-        rep.run(stop, interval_s=0.005, compact_after=3, max_level=2, snapshot_every=10, checkpoint_every=4)
+        rep.run(stop, interval_s=0.005, compact_after=3, max_level=2, snapshot_ratio=0.5, checkpoint_every=4)
     )
     deadline = asyncio.get_running_loop().time() + 20
     i = 0
@@ -421,3 +421,25 @@ async def test_the_sync_loop_compacts_snapshots_and_keeps_everything(tmp_path: P
     out = tmp_path / "o.db"
     await restore_generation(store, "replica-twin", "instances/h8", "", out)
     assert _rows(out) == _rows(db) and len(_rows(out)) == i
+
+
+async def test_the_ladder_keeps_climbing_after_a_level2_compaction(tmp_path: Path) -> None:
+    """A level-2 compaction deletes the level-1 files; the next level-1 compaction starts above the level-2 file,
+    not at the covered level-0 files the earlier ones left (a chain from there has a gap and merged nothing again)."""
+    store = MemoryStore()
+    await store.create_bucket("replica-twin")
+    db = tmp_path / "ladder.db"
+    app = _app(db)
+    rep = await Replicator.open(store, "replica-twin", "instances/h9", "", db, ManualClock())
+    for i in range(1, 82):
+        app.execute("INSERT INTO t VALUES (?, ?)", (i, os.urandom(100)))
+        await rep.sync()
+        for level in (1, 2, 3):
+            await rep.compact(level, min_inputs=3)
+    files = await list_generation(store, "replica-twin", GenerationScope("instances/h9", ""))
+    assert rep.stats.compactions == 27 + 9 + 3, rep.stats
+    assert [(f.min_txid, f.max_txid) for f in files if f.level == 3] == [(1, 27), (28, 54), (55, 81)]
+    await rep.close()
+    out = tmp_path / "o.db"
+    await restore_generation(store, "replica-twin", "instances/h9", "", out)
+    assert _rows(out) == _rows(db) and len(_rows(out)) == 81

@@ -576,3 +576,60 @@ async def test_an_idle_sync_loop_lists_nothing_and_compacts_after_an_upload(tmp_
     stop.set()
     await loop
     await rep.close()
+
+
+# ------------------------------------------------------------------------------------ storage bounded by the data
+
+
+async def _stored(store: S3Store, bucket: str, scope: GenerationScope) -> tuple[int, int, int]:
+    """Every version under the generation's prefix: (versions and delete markers, their bytes, not current)."""
+    versions = await store.list_versions(bucket, scope.prefix)
+    stale = sum(1 for v in versions if not v.is_latest or v.is_delete_marker)
+    return len(versions), sum(v.size for v in versions), stale
+
+
+async def test_a_long_session_stores_a_bounded_replica(s3: S3Store, bucket: str, location: str, tmp_path: Path) -> None:
+    """Issue 16 (§5.1 step 8): one writer session syncing for a long time with the loop's defaults keeps a number of
+    versions and bytes bounded by the database, not by its history: the loop snapshots and applies retention, and
+    its deletes remove its own uploads by exact version, so nothing noncurrent is left. Every row restores after the
+    many snapshots and retentions."""
+    db = tmp_path / "long.db"
+    app = app_db(db)
+    rows = 48
+    for i in range(rows):
+        app.execute("INSERT INTO t VALUES (?, ?)", (i, os.urandom(700)))
+    rep = await Replicator.open(s3, bucket, location, "", db, ManualClock())
+    scope = GenerationScope(location, "")
+    stop = asyncio.Event()
+    task = asyncio.create_task(rep.run(stop, interval_s=0.0))
+    loop = asyncio.get_running_loop()
+    seen: dict[int, tuple[int, int, int]] = {}
+    try:
+        for n in range(1, 301):
+            app.execute("UPDATE t SET v = ? WHERE id = ?", (os.urandom(700), n % rows))
+            target = rep.position + 1
+            deadline = loop.time() + 20
+            while rep.position < target:  # one sync per write
+                assert loop.time() < deadline and not task.done(), rep.stats
+                await asyncio.sleep(0.002)
+            if n in (100, 200, 300):
+                seen[n] = await _stored(s3, bucket, scope)
+    finally:
+        stop.set()
+        await task
+    db_bytes = app.execute("PRAGMA page_count").fetchone()[0] * app.execute("PRAGMA page_size").fetchone()[0]
+    figures = f"(versions, bytes, not current) after N syncs: {seen}; database {db_bytes} bytes; {rep.stats}"
+    assert rep.stats.retries == 0 and rep.stats.snapshots >= 3, figures
+    for count, size, stale in seen.values():
+        assert stale == 0, f"a deleted upload left a noncurrent version or a delete marker: {figures}"
+        assert count <= 24, f"the replica's files grow with the session's history: {figures}"
+        assert size <= 5 * db_bytes, f"the replica's bytes grow with the session's history: {figures}"
+    files = await list_generation(s3, bucket, scope)
+    assert max((f for f in files if f.level == 0), key=lambda f: f.max_txid).max_txid == rep.position, (
+        "the newest level-0 file survives every retention")
+    expected = table(db)
+    await rep.close()
+    out = tmp_path / "restored.db"
+    res = await restore_generation(s3, bucket, location, "", out)
+    assert res.txid == rep.position and res.integrity_check == "ok"
+    assert table(out) == expected and len(expected) == rows

@@ -634,6 +634,47 @@ async def test_the_mirror_decides_from_its_journal_and_deletes_only_what_it_stag
     assert world.push.refused == [] and all(w.startswith(("copy", "delete")) for w in world.push.writes)
 
 
+class _CompactsAfterListing:
+    """The source store, with the writer deleting one file's exact version right after the mirror's listing (its
+    compaction or retention racing the round)."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key, self.deleted = store, key, False
+
+    async def list_versions(self, bucket: str, prefix: str = "") -> list[Any]:
+        entries = await self.store.list_versions(bucket, prefix)
+        if not self.deleted:
+            self.deleted = True
+            for e in entries:
+                if e.key == self.key:
+                    await self.store.delete(bucket, self.key, version_id=e.version_id)
+        return entries
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+async def test_a_version_deleted_after_the_listing_makes_the_round_list_again(world: World) -> None:
+    """The writer deletes its own uploads by exact version (issue 16): a file the mirror listed whose version is gone
+    by the time of its COPY is no longer current, so the round lists again and mirrors that listing (rather than
+    fail, or stage a set with a hole); its pending journal entry is resolved by a delete in the lane."""
+    b, staged = world.b, lane(world.host, world.move_id)
+    scope = GenerationScope(f"instances/{world.host}/{INC}", "g1")
+    victim = scope.prefix + "0000/00000000000000fe-00000000000000fe.ltx"
+    await b.store.put(b.ie, victim, b"compacted away during the round")
+    racing = _CompactsAfterListing(b.store, victim)
+    first = await (await stager_for(world)).mirror(racing, b.ie, scope)  # type: ignore[arg-type]
+    rel = victim[len(scope.prefix):]
+    assert racing.deleted and rel not in first.versions and first.versions and first.max_l0 == world.rep.position
+    current = {k[len(scope.prefix):] for k in await b.store.list_keys(b.ie, scope.prefix)}
+    assert set(first.versions) == current, "the round's set is the source's current set"
+    assert first.deleted == 1 and staged + "replica/" + rel not in await b.store.list_keys(b.uk, staged)
+    journal = await journal_of(world)
+    assert {k[len("replica/"):]: o.version for k, o in journal.objects.items()} == first.versions
+    second = await (await stager_for(world)).mirror(b.store, b.ie, scope)
+    assert (second.copied, second.deleted) == (0, 0) and second.versions == first.versions
+
+
 async def test_the_move_marker_is_create_only(world: World) -> None:
     """``move.json`` create-only (§7.3) without reading the lane (M17): a replay is a no-op from the journal; a
     412 after an earlier attempt of ours whose answer was lost is ours; a 412 on a first attempt is another's."""

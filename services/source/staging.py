@@ -35,7 +35,7 @@ from events.base import Durable, Ident, canonical, decode
 from services.box.replica.layout import GenerationScope, parse_ltx_name
 from services.move.follow import host_segment, staging_lane
 from services.move.lease import StagingStopped, StagingWork
-from services.objstore.port import Got, Lost, ObjectStore, StoreError, VersionEntry, Won
+from services.objstore.port import Got, InvalidRequest, Lost, ObjectStore, StoreError, VersionEntry, Won
 
 REPLICA: Final = "replica/"
 FILES: Final = "files/"
@@ -170,6 +170,22 @@ class Mirrored:
     max_l0: int
 
 
+_MIRROR_PASSES: Final = 3
+"""Listings one mirror round takes at most while the writer's deletes race its copies."""
+
+
+@dataclass(frozen=True)
+class _Pass:
+    versions: dict[str, str] | None  # None: a listed version was deleted before its COPY; list again
+    copied: int
+    deleted: int
+    bytes: int
+
+
+async def _still_listed(store: ObjectStore, bucket: str, key: str, version_id: str) -> bool:
+    return any(e.key == key and e.version_id == version_id for e in await store.list_versions(bucket, key))
+
+
 def _latest(entries: list[VersionEntry]) -> dict[str, VersionEntry]:
     return {e.key: e for e in entries if e.is_latest and not e.is_delete_marker}
 
@@ -250,7 +266,22 @@ class Stager:
 
     async def mirror(self, src: ObjectStore, src_bucket: str, scope: GenerationScope) -> Mirrored:
         """Mirror the current replica files of ``scope`` into ``replica/`` by server-side copy of exact versions,
-        then delete what this source staged and no longer has, under ``replica/`` only (§7.3 ``MirrorPrefix``)."""
+        then delete what this source staged and no longer has, under ``replica/`` only (§7.3 ``MirrorPrefix``).
+
+        The writer deletes its own uploads by exact version (its compaction and retention): a listed version gone
+        by the time of its COPY ends the pass, and the next pass mirrors a fresh listing (which holds the file that
+        replaced it), so a round's set is the source's current set at one listing, never one with a hole."""
+        copied = deleted = moved = 0
+        for _ in range(_MIRROR_PASSES):
+            out = await self._mirror_pass(src, src_bucket, scope)
+            copied, deleted, moved = copied + out.copied, deleted + out.deleted, moved + out.bytes
+            if out.versions is not None:
+                max_l0 = max((p[2] for rel in out.versions if (p := parse_ltx_name(rel)) is not None and p[0] == 0),
+                             default=0)
+                return Mirrored(out.versions, copied, deleted, moved, max_l0)
+        raise StoreError(f"the source replica {scope.prefix!r} changed under {_MIRROR_PASSES} passes of one round")
+
+    async def _mirror_pass(self, src: ObjectStore, src_bucket: str, scope: GenerationScope) -> _Pass:
         listed = _latest(await src.list_versions(src_bucket, scope.prefix))
         source = {k[len(scope.prefix):]: e for k, e in listed.items() if scope.parse(k) is not None}
         plan = plan_mirror(self.state, {rel: e.version_id for rel, e in source.items()})
@@ -262,8 +293,16 @@ class Stager:
         try:
             for rel, src_version in plan.copy.items():
                 await self.work.before_sign(f"the COPY into {self.prefix + REPLICA + rel}")
-                won = await self.store.copy(self.bucket, self.prefix + REPLICA + rel, src_bucket=src_bucket,
-                                            src_key=scope.prefix + rel, src_version_id=src_version)
+                try:
+                    won = await self.store.copy(self.bucket, self.prefix + REPLICA + rel, src_bucket=src_bucket,
+                                                src_key=scope.prefix + rel, src_version_id=src_version)
+                except InvalidRequest:
+                    if await _still_listed(src, src_bucket, scope.prefix + rel, src_version):
+                        raise
+                    # deleted since the listing: record what landed (the rest stays pending) and list again
+                    if done:
+                        await self._journal(with_objects(self.state, done))
+                    return _Pass(None, len(done), 0, moved)
                 done[REPLICA + rel] = StagedObject(version=_version(won, self.prefix + REPLICA + rel),
                                                    src=src_version)
                 moved += source[rel].size
@@ -279,8 +318,7 @@ class Stager:
         if done:
             await self._journal(with_objects(self.state, done))
         versions = {**plan.keep, **{k[len(REPLICA):]: o.version for k, o in done.items() if o is not None}}
-        max_l0 = max((p[2] for rel in versions if (p := parse_ltx_name(rel)) is not None and p[0] == 0), default=0)
-        return Mirrored(versions, len(plan.copy), len(plan.delete), moved, max_l0)
+        return _Pass(versions, len(plan.copy), len(plan.delete), moved)
 
     # -- timers/ and files/ -------------------------------------------------------------------------------------
 

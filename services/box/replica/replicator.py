@@ -56,6 +56,15 @@ and deletes the inputs, bar the newest level-0 file; :meth:`snapshot` writes ``[
 level 9; :meth:`enforce_retention` keeps the newest snapshots, expires level 1..8 below
 ``minSnapshotTXID`` and covered level-0 files by age, never the newest level-0 file, and refuses to
 delete anything whose removal would stop the generation restoring to the same TXID.
+
+**Storage bounded by the data, not its history** (issue 16). :meth:`run` writes a snapshot once the
+pages its incremental uploads carried since the last one weigh ``snapshot_ratio`` times the database,
+and runs retention after each snapshot and each level-1 compaction, so a session that never ends keeps
+about one snapshot, the ladder since the one before it and the newest level-0 file. A delete of a file
+this session uploaded, whose PUT was answered on its only attempt, removes that **exact version**
+(no noncurrent version, no delete marker); any other key (an uncertain one, :mod:`.uploads`, whose
+delete marker is the evidence a listing settles it by; a file of an earlier session or of the install,
+whose versions the park retires and whose pinned version the sweep protects, §6.4) gets a bare delete.
 """
 
 from __future__ import annotations
@@ -233,6 +242,10 @@ class Replicator:
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cache_size = 0
         self._uploaded_at: dict[str, int] = {}
+        self._versions: dict[str, str] = {}
+        """Keys this session PUT, settled on their only attempt -> the version id: deleted by that exact version."""
+        self._history_bytes = 0
+        """Page bytes the incremental level-0 uploads carried since this session's last snapshot (:meth:`run`)."""
         self._closed = False
         self.uploads = Uploads.open(self.db_path, scope.generation)
         self._covered = False
@@ -334,7 +347,9 @@ class Replicator:
         async with self._lock:
             self._check_open()
             files = await list_generation(self.store, self.bucket, self.scope)
-            floor = max((f.max_txid for f in files if f.level == level), default=0)
+            # above every file of this level or higher: a level-(L+1) compaction deletes its level-L inputs, and
+            # a floor of this level alone would fall back under the covered level-0 files they left (a gap)
+            floor = max((f.max_txid for f in files if level <= f.level <= 8), default=0)
             inputs = sorted(
                 (f for f in files if f.level == level - 1 and f.max_txid > floor),
                 key=lambda f: (f.min_txid, f.max_txid),
@@ -408,6 +423,7 @@ class Replicator:
             key = self.scope.ltx_key(ltx.SNAPSHOT_LEVEL, 1, self._pos)
             won = await self._put(key, body)
             self.stats.snapshots += 1
+            self._history_bytes = 0
             return SyncResult(self._pos, key, won, pages, pages * image.page_size, len(body), True)
 
     async def enforce_retention(self, *, keep_snapshots: int = 1, l0_retention_ms: int = 0) -> RetentionResult:
@@ -462,16 +478,26 @@ class Replicator:
         interval_s: float = 1.0,
         compact_after: int = 3,
         max_level: int = 3,
-        snapshot_every: int = 0,
+        snapshot_ratio: float = 1.0,
         keep_snapshots: int = 1,
+        l0_retention_ms: int = 0,
         checkpoint_every: int = 0,
     ) -> None:
         """The sync loop: sync every ``interval_s``; compact the ladder 1..``max_level`` whenever
-        ``compact_after`` files wait at the level below; every ``snapshot_every`` syncs, a snapshot
-        and retention; every ``checkpoint_every`` syncs, a checkpoint. Store failures are logged and
-        retried on the next tick (the pending file keeps its bytes); nothing acts on a failed read."""
+        ``compact_after`` files wait at the level below; a snapshot once the incremental uploads since
+        the last one carried ``snapshot_ratio`` times the database's bytes (0: never); retention
+        (``keep_snapshots``, ``l0_retention_ms``) after each snapshot and each level-1 compaction
+        (§5.1 step 8: rotation, then expiry below ``minSnapshotTXID`` and of covered level-0 files);
+        every ``checkpoint_every`` syncs, a checkpoint. Store failures are logged and retried on the
+        next tick (the pending file keeps its bytes); nothing acts on a failed read.
+
+        The snapshot cadence is by volume rather than Litestream's fixed interval: what a generation
+        stores is the snapshot plus the history since the one before it (the rotation keeps the newest),
+        so a snapshot per database-size of history bounds the stored bytes by a few times the database
+        whatever the write rate, and costs one database-sized upload per database-size uploaded."""
         tick = 0
         settled = False  # the ladder is compacted as far as its files allow, and nothing was uploaded since
+        retain = False  # a snapshot or a level-1 compaction left files for retention to expire
         while not stop.is_set():
             tick += 1
             try:
@@ -479,11 +505,14 @@ class Replicator:
                     settled = False
                 if not settled:  # only this writer adds files to its generation: no upload, nothing to merge
                     for level in range(1, max_level + 1):
-                        await self.compact(level, min_inputs=compact_after)
+                        if await self.compact(level, min_inputs=compact_after) is not None and level == 1:
+                            retain = True
                     settled = True
-                if snapshot_every and tick % snapshot_every == 0:
-                    await self.snapshot()
-                    await self.enforce_retention(keep_snapshots=keep_snapshots)
+                if snapshot_ratio and self._history_bytes >= snapshot_ratio * self._commit * self._page_size > 0:
+                    retain = await self.snapshot() is not None or retain
+                if retain:  # once per snapshot or compaction: a refused retention waits for the next one
+                    retain = False
+                    await self.enforce_retention(keep_snapshots=keep_snapshots, l0_retention_ms=l0_retention_ms)
                 if checkpoint_every and tick % checkpoint_every == 0:
                     await self.checkpoint()
             except Exception as exc:  # a failed round is retried; the reason is logged, never swallowed silently
@@ -502,9 +531,12 @@ class Replicator:
         outcome = await self.store.put(self.bucket, key, body)
         if isinstance(outcome, Lost):  # an unconditional PUT cannot lose; a twin that says so is a defect
             raise ReplicaError(f"unconditional PUT of {key!r} reported a lost precondition")
+        self._versions.pop(key, None)
         if await blocking(self.uploads.answered, key, etag, outcome.version_id, outcome.attempts):
             log.warning("an upload of %s was retried; its session stays uncertain until a listing settles it", key,
                         extra={**self.log_fields, "key": key, "attempts": outcome.attempts})
+        elif outcome.version_id is not None and key not in self.uploads.keys:
+            self._versions[key] = outcome.version_id
         self._remember(key, body)
         return outcome.version_id
 
@@ -520,8 +552,11 @@ class Replicator:
         return await self.uploads.observe(self.store, self.bucket)
 
     async def _delete(self, key: str) -> None:
+        """Delete by the exact version this session's settled PUT answered, else bare (module doc)."""
         self.scope.check_owned(key)
-        await self.store.delete(self.bucket, key)
+        version = None if key in self.uploads.keys else self._versions.get(key)
+        await self.store.delete(self.bucket, key, version_id=version)
+        self._versions.pop(key, None)
         self._forget(key)
 
     async def _read_file(self, f: FileRef) -> bytes:
@@ -558,6 +593,8 @@ class Replicator:
         self._page_size = p.page_size
         if p.epoch is not None:
             self._epoch = p.epoch
+        if not p.full:
+            self._history_bytes += p.pages * p.page_size
         if p.full:
             self._need_full = False
             self._covered = True
