@@ -309,7 +309,8 @@ class BoxAgent:
             ledger=ledger, registry=self.registry, stamps=self.stamps, timers=self.timers, clock=clock, rng=rng,
             private_key=key, probe_factory=probe_factory, probe_timing=self.timing.probe,
             sync_interval_s=self.timing.sync_interval_s, tree=tree, instances=self.ctx.instances,
-            release_budget_ms=int(self.timing.move.source.release_budget_s * 1000)), faults=faults)
+            release_budget_ms=int(self.timing.move.source.release_budget_s * 1000),
+            flush_orphan=self.activator.flush_orphan), faults=faults)
         deployment = Deployment(door=Door(ledger, clock=clock, rng=rng),
                                 regions=lambda region: (store, region_bucket(region)),
                                 region_key=lambda region: key.public_key(), events=events)

@@ -122,6 +122,10 @@ class TargetRelease:
         async def final() -> Checkpoint:
             if not db.exists():
                 return Checkpoint(None, "")
+            if box.flush_orphan is not None and self.worker.running.get(host) is None:
+                # §5.3 step 5: a probe killed with its box (a reboot) left its writes in the WAL; hashed without
+                # this checkpoint the database read as installed, the release clean and the probe's row was lost
+                await box.flush_orphan(host)
             scope = GenerationScope(holder.location, holder.generation)
             n = replication_position(await list_generation(box.data_store, box.data_bucket, scope))
             return Checkpoint(n, file_sha256(db))

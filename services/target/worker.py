@@ -210,6 +210,10 @@ class TargetBox:
     """The box's one registry of running instances (the agent passes the activator's)."""
     release_budget_ms: int = phases.ROLLBACK_RELEASE_MS
     """A rollback's ``release_deadline`` from its CAS (§7.8: 15 min; the fast profile's is shorter)."""
+    flush_orphan: Callable[[str], Awaitable[int | None]] | None = None
+    """§5.3 step 5 for a probe whose process is gone (the box rebooted or its agent restarted under it): capture
+    its database's committed state, the WAL a killed process never checkpointed, into its generation (the agent
+    passes the activator's :meth:`~services.box.instance.activator.Activator.flush_orphan`)."""
 
     @property
     def data_dir(self) -> Path:
