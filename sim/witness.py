@@ -717,9 +717,47 @@ async def w_repeat_moves(world: World) -> None:
         await _writes(mw, 2, f"after{nth}-")
 
 
+async def w_probe_reboot(world: World) -> None:
+    """wDirtyRollback's move with the target's box frozen the moment its probe has written (the row acknowledged,
+    in the probe's WAL), the landing's deadline passing, and the platform then rebooting uk-1 with its disk: the
+    release runs on a new boot where no probe process is left (§7.8 ``released``, digests after a final checkpoint,
+    §5.3 step 5). The release must find the row and be dirty, and the host serve on ie-1 with it (INV-2). The defect
+    it pins: the release hashed the database file without the dead probe's WAL, read it as installed, released clean
+    and the source recovered without the row (move seed 250 with issue 19 item 9). Not a rule's witness: the gate
+    runs it unmutated."""
+    mw = await _serving_with_writes(world, 3)
+    mw.moves = (MovePlan(H, 0, float("inf"), "auto", 0.0, None, "after-write"),)  # the operator's one move
+    await _request_move(mw, "uk")
+    record = mw.records.get(H)
+    if record is not None and record.move is not None:
+        mw.move_of[(H, 0)] = record.move.id
+    await world.until("the probe on uk-1 acknowledged its write", lambda: any(
+        a.box == "uk-1" and a.value.startswith("probe-") for a in mw.acks), timeout=4 * 3600.0)
+    mw.freeze("uk-1")
+
+    def rolling_back() -> bool:
+        record = mw.records.get(H)
+        return record is not None and record.move is not None and record.move.state == "rolling_back"
+
+    await world.until("the landing's deadline rolled the move back", rolling_back, timeout=4 * 3600.0)
+    console = mw.console()
+    assert isinstance(console, MoveConsole)
+    entry = (await console.door.roster()).box("uk-1")
+    assert entry is not None
+    await mw.compute.stop(BoxCompute.of(entry))
+    mw.start_machine("uk-1")
+    await _closed(mw)
+    await _serving_on(mw, "ie-1")
+    await _writes(mw, 2, "after")
+
+
+PROBE_REBOOT = Witness("wProbeReboot", (), "INV-2", ((H, "ie-1"),), w_probe_reboot, w_probe_reboot.__doc__ or "",
+                       moves=True)
+
+
 REPEAT_MOVES = Witness("wRepeatMoves", (), "move-liveness", ((H, "ie-1"),), w_repeat_moves,
                        w_repeat_moves.__doc__ or "", moves=True, regions=("ie", "uk", "us"))
-SCENARIOS: tuple[Witness, ...] = (MOVE_CRASHES, REPEAT_MOVES)
+SCENARIOS: tuple[Witness, ...] = (MOVE_CRASHES, REPEAT_MOVES, PROBE_REBOOT)
 """Scripted worlds of no rule: each must hold unmutated (the gate runs them; ``failure`` names what a regression of
 the behaviour they pin would violate)."""
 

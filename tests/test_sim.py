@@ -59,7 +59,7 @@ from sim.trace import Trace
 from sim.twins.jetstream import Consumers, SimEventLog, SimJetStream, subject_matches
 from sim.twins.nats_consumers import NatsConsumers
 from sim.twins.s3 import Access, Landed, M17Policy, Principal, Request, RequestExpired, SimS3
-from sim.witness import MOVE_CRASHES, REPEAT_MOVES, WITNESS_BY_NAME, WITNESSES, Witness, run_witness
+from sim.witness import MOVE_CRASHES, PROBE_REBOOT, REPEAT_MOVES, WITNESS_BY_NAME, WITNESSES, Witness, run_witness
 from sim.workload import draw_workload
 from sim.world import REGIONS, World
 
@@ -1007,6 +1007,31 @@ def test_a_sequence_of_moves_ends_done_and_the_repeat_move_defect_is_caught(monk
     planted = run_witness(REPEAT_MOVES)
     assert [v.invariant for v in planted.violations] == ["move-liveness"], planted.report()
     assert "move 2 of h1.example" in planted.violations[0].what and "ended aborted" in planted.violations[0].what
+
+
+def test_a_probe_killed_with_its_box_releases_dirty_and_its_write_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INV-2 (§7.8 ``released``, §5.3 step 5): wProbeReboot freezes uk-1 the moment its probe has acknowledged a
+    row, lets the landing's deadline roll the move back and has the platform reboot uk-1 with its disk. The release
+    flushes the dead probe's WAL before it hashes the database, so it is dirty and ie-1 serves the row. The defect,
+    planted again (the agent gives the landing no flush): the release reads the database as installed, is clean,
+    and the row is lost with no session declared lost (move seed 250 with issue 19 item 9)."""
+    result = run_witness(PROBE_REBOOT, trace=True)
+    assert not result.violations and result.error is None, result.report()
+    text = _move_trace(result)
+    assert "reboot: boot 2, every process of the box died, its disk kept" in text
+    assert "dirty (the target's database changed after it was installed (its probe wrote))" in text
+
+    import services.agent.service as service
+    from services.target.worker import TargetBox
+
+    def without_flush(**kw: object) -> TargetBox:
+        return TargetBox(**{**kw, "flush_orphan": None})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service, "TargetBox", without_flush)
+    planted = run_witness(PROBE_REBOOT)
+    assert {v.invariant for v in planted.violations} == {"INV-2"}, planted.report()
+    assert "probe-" in planted.violations[0].what and "no admission declared that session lost" in \
+        planted.violations[0].what
 
 
 def test_a_lost_acknowledged_write_is_inv2() -> None:
