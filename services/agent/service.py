@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -310,7 +311,7 @@ class BoxAgent:
             private_key=key, probe_factory=probe_factory, probe_timing=self.timing.probe,
             sync_interval_s=self.timing.sync_interval_s, tree=tree, instances=self.ctx.instances,
             release_budget_ms=int(self.timing.move.source.release_budget_s * 1000),
-            flush_orphan=self.activator.flush_orphan), faults=faults)
+            flush_orphan=functools.partial(self.activator.flush_orphan, certify=False)), faults=faults)
         deployment = Deployment(door=Door(ledger, clock=clock, rng=rng),
                                 regions=lambda region: (store, region_bucket(region)),
                                 region_key=lambda region: key.public_key(), events=events)

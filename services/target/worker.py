@@ -213,7 +213,8 @@ class TargetBox:
     flush_orphan: Callable[[str], Awaitable[int | None]] | None = None
     """§5.3 step 5 for a probe whose process is gone (the box rebooted or its agent restarted under it): capture
     its database's committed state, the WAL a killed process never checkpointed, into its generation (the agent
-    passes the activator's :meth:`~services.box.instance.activator.Activator.flush_orphan`)."""
+    passes the activator's :meth:`~services.box.instance.activator.Activator.flush_orphan`, certifying nothing: a
+    probe is never the host's writer of record before the open)."""
 
     @property
     def data_dir(self) -> Path:

@@ -899,13 +899,14 @@ class Activator:
         await self.ctx.data_store.put(self.ctx.data_bucket, key, canonical(cert), if_none_match=True)
         return cert
 
-    async def flush_orphan(self, host: str) -> int | None:
+    async def flush_orphan(self, host: str, *, certify: bool = True) -> int | None:
         """§5.3 step 5 when the process that replicated ``host`` is gone (an agent restarted under a running app,
         then the app was stopped): after the tree drained, capture the local database's committed state into the
         holder's generation, so nothing the app acknowledged stays only on this disk. Only for this box's own
         writer and a local database that belongs to the holder's generation. A replicator's first upload is a full
         image (every page), so no frame-to-TXID mapping of the dead process is needed. Answers the new position,
-        or None when there was nothing of this box's to capture."""
+        or None when there was nothing of this box's to capture. ``certify`` False (a landing's probe, never the
+        host's writer of record before the open, as :meth:`stop` has it) flushes and certifies nothing more."""
         if not rules.on("final-checkpoint-after-restart"):
             return None
         db = self.ctx.db_path(host)
@@ -923,7 +924,8 @@ class Activator:
         if not unshipped.exists() and (not wal.exists() or wal.stat().st_size <= WAL_HEADER_BYTES):
             # every frame is in the database file already (a stop's final checkpoint emptied the WAL): flushed
             # already, unless the session has no certificate yet and may still be certified by a flush of it
-            if not (last_here and self.policy.certificates) or isinstance(await self.ctx.data_store.head(
+            certifiable = last_here and certify and self.policy.certificates
+            if not certifiable or isinstance(await self.ctx.data_store.head(
                     self.ctx.data_bucket, certificate_key(holder.location, holder.generation, session)), Got):
                 return None
         await self._files_before_flush(claim)
@@ -947,7 +949,7 @@ class Activator:
                  rep.position)
         # The dead process's session is certified by this flush when it shipped every committed frame and nothing
         # that session sent is unsettled (item 5; close-evidence: a request in flight when it died may still land)
-        if flushed and last_here and self.policy.certificates:
+        if flushed and last_here and certify and self.policy.certificates:
             uncertain = await rep.observe_uploads()
             if uncertain and rules.on("close-evidence"):
                 log.warning("session %d of %s is not certified by its flush: %d upload(s) of the dead process are "
