@@ -57,7 +57,7 @@ from services.move.park import FAST
 from services.objstore.port import Got
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
-from tests.helpers.agents import AgentWorld, agent_world, data_buckets, drain_box_groups, eventually
+from tests.helpers.agents import AgentWorld, agent_world, answers_ready, data_buckets, drain_box_groups, eventually
 from tests.test_agent import APP, closed_on_ie, create_and_write, request_move, serving_port
 
 HOSTMOVE = [sys.executable, "-m", "hostmove.cli"]
@@ -476,8 +476,12 @@ async def _dirty_unreturned_declared_lost(stack: StackInfo, unique: Callable[[st
             except AssertionError:
                 raise AssertionError(f"{(await w.ledger.read_record(host)).state}\n{agent.output()[-3000:]}\n"
                                      f"{w.agents['ie'].output()[-3000:]}") from None
-            there = read_endpoint(w.root / "boxes" / replacement, host)
-            assert there is not None and await asyncio.to_thread(post_write, there, "on the replacement") > last
+            async def served_there() -> int | None:  # the endpoint is published by the pass after the open
+                port = read_endpoint(w.root / "boxes" / replacement, host)
+                return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
+
+            there = await eventually(served_there, f"{host} served on {replacement}", 60)
+            assert await asyncio.to_thread(post_write, there, "on the replacement") > last
             logs = ack_logs(w.root / "acks", host, ie, {"uk": uk, "uk2": replacement})
             check = nothing_missing(instance_dir(w.root / "boxes" / replacement / "data", host) / f"{host}.db",
                                     logs, host, await declared_losses(w.events, host))
