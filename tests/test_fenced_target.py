@@ -44,7 +44,7 @@ from services.move.finalize import decide_close
 from services.move.follow import staging_lane
 from services.objstore.s3 import S3Store
 from services.recovery.recovery import RecoveryPass
-from tests.helpers.agents import agent_world, audit_settles, data_buckets, drain_box_groups, eventually
+from tests.helpers.agents import agent_world, answers_ready, audit_settles, data_buckets, drain_box_groups, eventually
 from tests.test_agent import APP, create_and_write, request_move
 from tests.test_declare_lost import cli
 
@@ -134,7 +134,8 @@ async def test_a_target_fenced_after_the_commit_closes_the_move_and_the_host_is_
                 claim = (await w.ledger.read_claim(host)).state
                 if claim is None or claim.op.kind != "serving" or claim.op.exec != replacement:
                     return None
-                return read_endpoint(w.root / "boxes" / replacement, host)
+                port = read_endpoint(w.root / "boxes" / replacement, host)
+                return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
 
             try:
                 port = await eventually(served_there, f"{host} serving on {replacement}", 120, 0.5)
@@ -183,8 +184,12 @@ async def test_a_target_fenced_after_the_commit_closes_the_move_and_the_host_is_
             except AssertionError:
                 raise AssertionError(f"{(await w.ledger.read_record(host)).state}\n"
                                      f"{new_agent.output()[-3000:]}\n{w.agents['ie'].output()[-3000:]}") from None
-            ie_port = read_endpoint(w.box_dir("ie"), host)
-            assert ie_port is not None and await asyncio.to_thread(post_write, ie_port, "back on ie") > last
+            async def served_on_ie() -> int | None:  # the endpoint is published by the pass after the open
+                port = read_endpoint(w.box_dir("ie"), host)
+                return port if port is not None and await asyncio.to_thread(answers_ready, port) else None
+
+            ie_port = await eventually(served_on_ie, f"{host} served on ie after the move back", 60, 0.5)
+            assert await asyncio.to_thread(post_write, ie_port, "back on ie") > last
             logs = ack_logs(w.root / "acks", host, ie, {"uk": uk, "uk2": replacement})
             check = nothing_missing(instance_dir(w.box_dir("ie") / "data", host) / f"{host}.db", logs, host,
                                     await declared_losses(w.events, host))
