@@ -11,9 +11,9 @@ import pytest
 from hostmove.stackinfo import StackInfo
 from kernel.ports import ManualClock, WallClock
 from services.objstore.port import VersionEntry
-from services.objstore.s3 import S3Store
 from services.sweeper.lanes import LANE_PROBES, LaneProbeSweep, probes_to_retire
 from services.target import rates, readiness
+from tests.helpers.stores import seaweed_versioned
 
 
 def entry(key: str, at: int, vid: str = "v", marker: bool = False) -> VersionEntry:
@@ -35,11 +35,8 @@ def test_only_probes_older_than_the_grace_are_retired() -> None:
 @pytest.mark.asyncio(loop_scope="session")
 async def test_the_owning_region_retires_the_probes_by_version_on_seaweedfs(
         stack: StackInfo, unique: Callable[[str], str]) -> None:
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    bucket = unique("lanes")
-    await store.create_bucket(bucket, versioned=True)
-    lane = "moves/h.example.com/mv_x/target.json"
-    try:
+    async with seaweed_versioned(stack, unique("lanes")) as (store, bucket):
+        lane = "moves/h.example.com/mv_x/target.json"
         ok, why = await readiness.lane_probe(store, bucket, "h.example.com-mv_x")  # what a peer's target does
         assert ok, why
         await store.put(bucket, lane, b"{}")
@@ -57,8 +54,3 @@ async def test_the_owning_region_retires_the_probes_by_version_on_seaweedfs(
         assert await sweep.run() == 0, "once a period"
         clock.advance(60_000)
         assert await sweep.run() == 2
-    finally:
-        for e in await store.list_versions(bucket, ""):
-            await store.delete(bucket, e.key, version_id=e.version_id)
-        await store.delete_bucket(bucket)
-        await store.close()

@@ -14,8 +14,8 @@ from kernel.ports import WallClock
 from services.ledger.ledger import object_key
 from services.move.lease import lease_key
 from services.objstore.port import VersionEntry
-from services.objstore.s3 import S3Store
 from services.sweeper.history import LedgerHistory, journals_to_retire, noncurrent_to_retire
+from tests.helpers.stores import seaweed_versioned
 
 KEY = object_key("claim", "h.example.com")
 
@@ -46,10 +46,7 @@ def test_only_old_noncurrent_versions_beyond_the_newest_few_are_retired() -> Non
 @pytest.mark.asyncio(loop_scope="session")
 async def test_the_sweep_deletes_old_noncurrent_versions_by_id_on_seaweedfs(
         stack: StackInfo, unique: Callable[[str], str]) -> None:
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    bucket = unique("history")
-    await store.create_bucket(bucket, versioned=True)
-    try:
+    async with seaweed_versioned(stack, unique("history")) as (store, bucket):
         for i in range(8):
             await store.put(bucket, KEY, f'{{"gen": {i}}}'.encode())
         await asyncio.sleep(2.5)  # older than H (0 here) and the one-second slack of LastModified
@@ -67,11 +64,6 @@ async def test_the_sweep_deletes_old_noncurrent_versions_by_id_on_seaweedfs(
         assert getattr(got, "body", None) == b'{"gen": 9}', "the current version untouched"
         again = await LedgerHistory(store, bucket, WallClock(), horizon_ms=0, keep=1).look("h.example.com")
         assert again == [], "nothing left to retire"
-    finally:
-        for e in await store.list_versions(bucket, ""):
-            await store.delete(bucket, e.key, version_id=e.version_id)
-        await store.delete_bucket(bucket)
-        await store.close()
 
 
 def test_journals_are_retired_per_key_outside_the_lanes_of_live_operations() -> None:
@@ -93,14 +85,11 @@ async def test_the_sweep_bounds_staging_leases_and_move_journals_on_seaweedfs(
     """Issue 16 item 2: a lease renewed and journals rewritten in place keep one current version and the newest
     noncurrent one; a live operation's journal, another region's lease (not in the roster) and create-only evidence
     keep every version."""
-    store = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
-    bucket = unique("history")
-    await store.create_bucket(bucket, versioned=True)
-    host = "h.example.com"
-    lease, other = lease_key("uk", host), lease_key("us", host)
-    done, live = f"moves/{host}/mv_done/target.json", f"moves/{host}/mv_live/source.json"
-    evidence = f"moves/{host}/mv_done/stopped-source.json"
-    try:
+    async with seaweed_versioned(stack, unique("history")) as (store, bucket):
+        host = "h.example.com"
+        lease, other = lease_key("uk", host), lease_key("us", host)
+        done, live = f"moves/{host}/mv_done/target.json", f"moves/{host}/mv_live/source.json"
+        evidence = f"moves/{host}/mv_done/stopped-source.json"
         await store.put(bucket, evidence, b"{}")
         for i in range(6):
             if i == 4:
@@ -121,8 +110,3 @@ async def test_the_sweep_bounds_staging_leases_and_move_journals_on_seaweedfs(
             assert getattr(got, "body", None) == b'{"round": 5}', f"the current {key} untouched"
         again = await sweep.look(host, regions=("ie", "uk"), live_ops=frozenset({"mv_live"}))
         assert again == [], "nothing left to retire"
-    finally:
-        for e in await store.list_versions(bucket, ""):
-            await store.delete(bucket, e.key, version_id=e.version_id)
-        await store.delete_bucket(bucket)
-        await store.close()

@@ -17,8 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from hostmove.probe_apps import free_port
 from hostmove.stack import stack_down
 
@@ -55,8 +53,6 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
     try:
         demo = subprocess.run([str(work / ".venv" / "bin" / "hostmove"), "demo"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=600)
-        if demo.returncode != 0 and "cannot spawn strictly" in demo.stdout:
-            pytest.skip(demo.stdout.strip().splitlines()[-1])
         assert demo.returncode == 0, demo.stdout + demo.stderr
         shell = subprocess.Popen(["bash", "-e", "-u", "-o", "pipefail", "-x"], cwd=work, env=env, text=True,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

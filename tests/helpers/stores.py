@@ -53,6 +53,21 @@ async def bucket(store: Store, unique: Callable[..., str]) -> AsyncIterator[str]
         await store.delete_bucket(name)
 
 
+@asynccontextmanager
+async def seaweed_versioned(stack: StackInfo, name: str) -> AsyncIterator[tuple[S3Store, str]]:
+    """A store on the session's SeaweedFS and a fresh versioned bucket ``name``; afterwards every version and
+    marker in it is deleted by id, then the bucket (a versioned bucket with versions left is not dropped)."""
+    s = await S3Store.open(stack.s3_endpoint, stack.s3_access_key, stack.s3_secret_key, stack.s3_region)
+    await s.create_bucket(name, versioned=True)
+    try:
+        yield s, name
+    finally:
+        for e in await s.list_versions(name, ""):
+            await s.delete(name, e.key, version_id=e.version_id)
+        await s.delete_bucket(name)
+        await s.close()
+
+
 @dataclass
 class Regions:
     """One deployment bucket and the two regions' data buckets (ie, uk), separate as in production, with a
