@@ -633,3 +633,37 @@ async def test_a_long_session_stores_a_bounded_replica(s3: S3Store, bucket: str,
     res = await restore_generation(s3, bucket, location, "", out)
     assert res.txid == rep.position and res.integrity_check == "ok"
     assert table(out) == expected and len(expected) == rows
+
+
+async def test_held_snapshots_wait_for_the_release(s3: S3Store, bucket: str, location: str, tmp_path: Path) -> None:
+    """§7.3 rounds, issue 16: while a move stages the generation (``snapshots_held``), the loop writes no snapshot
+    however much history its uploads carried, so the cut's final mirror copies only what the last round had not;
+    released, the next round snapshots the history held back and retention bounds it again."""
+    db = tmp_path / "held.db"
+    app = app_db(db)
+    for i in range(8):
+        app.execute("INSERT INTO t VALUES (?, ?)", (i, os.urandom(700)))
+    rep = await Replicator.open(s3, bucket, location, "", db, ManualClock())
+    rep.snapshots_held = True
+    stop = asyncio.Event()
+    task = asyncio.create_task(rep.run(stop, interval_s=0.0, snapshot_ratio=0.5))
+    loop = asyncio.get_running_loop()
+    try:
+        for n in range(1, 41):
+            app.execute("UPDATE t SET v = ? WHERE id = ?", (os.urandom(700), n % 8))
+            target, deadline = rep.position + 1, loop.time() + 20
+            while rep.position < target:  # one sync per write
+                assert loop.time() < deadline and not task.done(), rep.stats
+                await asyncio.sleep(0.002)
+        assert rep.stats.snapshots == 0, f"a snapshot while held: {rep.stats}"
+        rep.snapshots_held = False
+        deadline = loop.time() + 20
+        while rep.stats.snapshots == 0:
+            assert loop.time() < deadline and not task.done(), f"no snapshot after the release: {rep.stats}"
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await task
+    files = await list_generation(s3, bucket, GenerationScope(location, ""))
+    assert sum(1 for f in files if f.level == ltx.SNAPSHOT_LEVEL) == 1, files
+    await rep.close()

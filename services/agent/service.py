@@ -650,6 +650,8 @@ class BoxAgent:
                 if why is not None:  # K6, before anything else: whatever a store write says, never two writers
                     out.did.append(await self._stop_second_writer(host, claim, current.etag, why))
                     return out
+                self.instances.hold_snapshots(host, claim is not None and claim.op.kind == "moving"
+                                              and claim.op.exec == self.label)
             record = (await self.ledger.read_record(host)).state
             if claim is None:
                 return out

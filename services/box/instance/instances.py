@@ -112,6 +112,14 @@ class Instances(dict[str, Instance]):
                                  f"(session {self[instance.host].session}, {self[instance.host].origin})")
         self[instance.host] = instance
 
+    def hold_snapshots(self, host: str, held: bool) -> None:
+        """Hold or release the snapshots of ``host``'s running replicator (:attr:`Replicator.snapshots_held`):
+        held while the claim is a move this box is the source of (§7.3: the rounds stage the history as it grows,
+        so the cut's final mirror copies only what changed since the last round, never a fresh snapshot)."""
+        instance = self.get(host)
+        if instance is not None:
+            instance.replicator.snapshots_held = held
+
     def hand_over(self, host: str) -> Instance | None:
         """The open (§7.9): the landing's probe becomes the box's instance of the host (``landed``)."""
         instance = self.get(host)

@@ -246,6 +246,10 @@ class Replicator:
         """Keys this session PUT, settled on their only attempt -> the version id: deleted by that exact version."""
         self._history_bytes = 0
         """Page bytes the incremental level-0 uploads carried since this session's last snapshot (:meth:`run`)."""
+        self.snapshots_held = False
+        """While a move stages this generation (§7.3 rounds), :meth:`run` writes no snapshot: the rounds mirror the
+        history as it grows, and a database-sized snapshot after the last round would be the cut's to copy. The box
+        agent sets it from the claim on every pass (:meth:`Instances.hold_snapshots`); it lasts at most a move."""
         self._closed = False
         self.uploads = Uploads.open(self.db_path, scope.generation)
         self._covered = False
@@ -485,7 +489,8 @@ class Replicator:
     ) -> None:
         """The sync loop: sync every ``interval_s``; compact the ladder 1..``max_level`` whenever
         ``compact_after`` files wait at the level below; a snapshot once the incremental uploads since
-        the last one carried ``snapshot_ratio`` times the database's bytes (0: never); retention
+        the last one carried ``snapshot_ratio`` times the database's bytes (0: never; none while
+        :attr:`snapshots_held`); retention
         (``keep_snapshots``, ``l0_retention_ms``) after each snapshot and each level-1 compaction
         (§5.1 step 8: rotation, then expiry below ``minSnapshotTXID`` and of covered level-0 files);
         every ``checkpoint_every`` syncs, a checkpoint. Store failures are logged and retried on the
@@ -508,7 +513,8 @@ class Replicator:
                         if await self.compact(level, min_inputs=compact_after) is not None and level == 1:
                             retain = True
                     settled = True
-                if snapshot_ratio and self._history_bytes >= snapshot_ratio * self._commit * self._page_size > 0:
+                if (snapshot_ratio and not self.snapshots_held
+                        and self._history_bytes >= snapshot_ratio * self._commit * self._page_size > 0):
                     retain = await self.snapshot() is not None or retain
                 if retain:  # once per snapshot or compaction: a refused retention waits for the next one
                     retain = False
