@@ -314,6 +314,14 @@ async def w_move(world: World) -> None:
     await _writes(mw, 3, "after")
 
 
+def _in_state(world: MoveWorld, *states: str, host: str = H) -> Callable[[], bool]:
+    """A predicate for :meth:`World.until`: the host's record has a move in one of ``states``."""
+    def now() -> bool:
+        record = world.records.get(host)
+        return record is not None and record.move is not None and record.move.state in states
+    return now
+
+
 def _cutting(world: MoveWorld, host: str = H) -> bool:
     """The cut was admitted (its ``cut_deadline`` runs) and nothing is committed yet."""
     record = world.records.get(host)
@@ -554,11 +562,7 @@ async def w_fence_converts_moving(world: World) -> None:
     mw = await _serving_with_writes(world, 3)
     await _request_move(mw, "uk")
 
-    def preparing() -> bool:
-        record = mw.records.get(H)
-        return record is not None and record.move is not None and record.move.state in ("preparing", "ready")
-
-    await world.until("the move prepares", preparing, timeout=3600.0)
+    await world.until("the move prepares", _in_state(mw, "preparing", "ready"), timeout=3600.0)
     world.crash("ie-1", "witness: the source's machine is terminated")
     mw.terminate("ie-1")
     await world.until("the replacement ie-2 enrolled", lambda: "ie-2" in mw.slots, timeout=4 * 3600.0)
@@ -685,11 +689,7 @@ async def w_move_crashes(world: World) -> None:
     await asyncio.sleep(30.0)
     world.start("ie-1")
 
-    def landing() -> bool:
-        record = mw.records.get(H)
-        return record is not None and record.move is not None and record.move.state in ("landing", "committed")
-
-    await world.until("the landing started", landing, timeout=4 * 3600.0)
+    await world.until("the landing started", _in_state(mw, "landing", "committed"), timeout=4 * 3600.0)
     world.crash("uk-1", "witness: the target agent dies in its landing")
     await asyncio.sleep(30.0)
     world.start("uk-1")
@@ -735,11 +735,8 @@ async def w_probe_reboot(world: World) -> None:
         a.box == "uk-1" and a.value.startswith("probe-") for a in mw.acks), timeout=4 * 3600.0)
     mw.freeze("uk-1")
 
-    def rolling_back() -> bool:
-        record = mw.records.get(H)
-        return record is not None and record.move is not None and record.move.state == "rolling_back"
-
-    await world.until("the landing's deadline rolled the move back", rolling_back, timeout=4 * 3600.0)
+    await world.until("the landing's deadline rolled the move back", _in_state(mw, "rolling_back"),
+                      timeout=4 * 3600.0)
     console = mw.console()
     assert isinstance(console, MoveConsole)
     entry = (await console.door.roster()).box("uk-1")
