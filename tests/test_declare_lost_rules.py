@@ -18,6 +18,7 @@ from services.move.lost import (
     decide_declared_record,
     declaration_kind,
     declared_lost,
+    loss_half_pending,
     loss_key,
     lost_op,
     region_park,
@@ -170,3 +171,21 @@ def test_the_regions_next_live_box_adopts_the_park_then_acknowledges_it() -> Non
     assert isinstance(done, Claim) and done.obligations == () and done.quiet_after == {"uk": 9000}
     named = msgspec.structs.replace(at_rest, op=Op(kind="moving", id=MV, exec="ie-1", participants=("ie-1", "uk-2")))
     assert not isinstance(decide_adopt(named, park, "uk-2"), Claim), "never while an operation names the box"
+
+
+def test_the_sources_recovery_waits_between_the_declarations_two_halves() -> None:
+    """§7.10: the record's CAS comes first and already reads clean (``dirty`` false); a re-admission read between it
+    and the claim half would be covered and leave the lost box's writes undeclared (CI, a dirty-unreturned target:
+    the source admitted ``clean-return`` with no ``writes_lost``). Until the claim names the box lost, it waits."""
+    dirty = record("rolling_back", Rollback(id=RB, target_phase="returning", dirty=True))
+    before = claim(exec_="none")
+    key = loss_key(HOST, MV, "uk-1")
+    out = decide_declared_record(dirty, before, decl("dirty-unreturned"), key, 900_000)
+    assert out.move is not None and out.move.rollback is not None and out.move.rollback.evidence == key
+    assert loss_half_pending(out.move.rollback.evidence, before, "uk-1"), "the record's half alone: wait"
+    half = decide_declared_claim(before, out, decl("dirty-unreturned"), {"enrollment": "e", "key": key, "sha256": "s"},
+                                 source_region="ie")
+    assert declared_lost(half, "uk-1") and not loss_half_pending(key, half, "uk-1"), "both halves: go on"
+    fence = "control/box-fences/uk-1.json"  # a fenced target's evidence (§7.10 item 3), the recovery's two CASes
+    assert loss_half_pending(fence, before, "uk-1") and not loss_half_pending(fence, half, "uk-1")
+    assert not loss_half_pending("", before, "uk-1"), "a rollback citing no loss never waits for one"

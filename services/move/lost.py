@@ -45,6 +45,7 @@ from events.claim import Claim, LostBox, Obligation, Scope
 from events.ids import rollback_id
 from events.record import Record
 from kernel import rules
+from services.box.fence import FENCES_PREFIX
 from services.box.instance.coverage import cover_region_predecessors
 from services.box.roster import Roster
 from services.move.follow import claim_half, host_segment, staging_scope_location
@@ -259,6 +260,15 @@ def decide_declared_claim(claim: Claim | None, record: Record | None, decl: Loss
     return cover_region_predecessors(out, decl.region) if park is not None else out
 
 
+def loss_half_pending(evidence: str, claim: Claim | None, box: str) -> bool:
+    """The record's rollback cites a declaration or a fence of ``box`` (``evidence``, a key under
+    ``control/losses/`` or ``control/box-fences/``) whose claim half is not on the claim yet. The record's CAS comes
+    first (§7.10) and already reads as a clean rollback; until the claim names the box lost, a re-admission would
+    be covered and the lost box's writes since the flip would go undeclared, so the source's recovery waits."""
+    cites = evidence.startswith(LOSSES_PREFIX) or evidence.startswith(FENCES_PREFIX)
+    return cites and not declared_lost(claim, box)
+
+
 def declared_lost(claim: Claim | None, box: str) -> bool:
     """The claim names ``box`` lost for its current operation: its admissions after it are cold (§7.10: the lost
     box's writes since the flip are declared, never covered)."""
@@ -267,4 +277,4 @@ def declared_lost(claim: Claim | None, box: str) -> bool:
 
 __all__ = ["LOSSES_PREFIX", "LOST_OP_PREFIX", "REGION_OWNER", "Kind", "LossDeclaration", "NotLegal",
            "declaration_kind", "decide_declared_claim", "decide_declared_record", "declared_lost", "live_region_box",
-           "loss_key", "lost_op", "region_park", "region_park_blocks"]
+           "loss_half_pending", "loss_key", "lost_op", "region_park", "region_park_blocks"]

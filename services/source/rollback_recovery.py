@@ -26,7 +26,7 @@ from services.move import rollback
 from services.move.finalize import PARK_STAGING, Finalizer, pending
 from services.move.follow import staging_scope_location
 from services.move.guards import step_allowed
-from services.move.lost import declared_lost
+from services.move.lost import declared_lost, loss_half_pending
 from services.move.stepping import RunnerResult, until_still
 from services.source.return_install import InstallRefused, ReturnInstall
 from services.source.reverting import unchanged_since_stop
@@ -108,6 +108,11 @@ class RollbackRecovery:
             started = await self.activator.wake(host, prepared=rb.id, policy=self.policy)
         else:
             target = claim.op.participants[1] if len(claim.op.participants) == 2 else ""
+            if loss_half_pending(rb.evidence, claim, target):  # §7.10: the record's half came first; never covered
+                return RunnerResult(False, f"the rollback cites {rb.evidence}, but the claim does not name {target} "
+                                           f"lost yet: the recovery waits for the declaration's claim half (if the door"
+                                           f" stopped between them, `hostmove move resolve --host {host} "
+                                           f"--declare-lost {target} --yes` completes it)")
             lost = declared_lost(claim, target)  # §7.10: a lost box's writes since the flip are declared, never covered
             covered = not rb.dirty and not lost and (last is None or last.box != self.label)
             started = await self.activator.wake(host, coverage=CLEAN_RETURN if covered else "", policy=self.policy,
