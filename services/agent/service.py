@@ -903,10 +903,15 @@ class BoxAgent:
         try:
             await self._pass_loop(stop)
         finally:
-            for task in (timers, notices):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            notices.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await notices
+            if stop.is_set():  # a clean stop: the timer loop ends by itself after the round it is in (§9.4)
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(timers, TIMER_STOP_S)
+            timers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timers
 
     async def _timer_loop(self, stop: asyncio.Event) -> None:
         """The timer runner, beside the passes (a long landing must not starve a due timer); the cut drains its
@@ -1033,6 +1038,12 @@ class BoxAgent:
                 gauge.remove(self.label)
         for closable in (self.registry, self.stamps, self.timers):
             closable.close()
+
+
+TIMER_STOP_S = 10.0
+"""How long a clean stop waits for the timer round in flight: a delivery the app answered is recorded before the
+agent exits (cancelled in its POST, the row stayed due and the next agent delivered it again, a repeat the app had
+applied); past this (two runner timeouts) the round is cancelled and at-least-once covers it."""
 
 
 def endpoint_path(box_dir: Path, host: str) -> Path:
