@@ -359,10 +359,12 @@ async def grow(w: World, syncs: int) -> None:
 
 @pytest.mark.timeout(900)
 async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) -> None:
-    """Issue 19 item 9 (§7.3 rounds): after its first round, a preparing round of a host with about 1,000 files and
-    versions stored makes as many S3 requests (within one) as one with about 50, for the same change since the last round (three
-    new level-0 files merged into a new level-1 file): it lists each level only after what the journal records
-    there and looks again only at what the new file covers. The lane mirrors the source's current files exactly."""
+    """Issue 19 item 9 (§7.3 rounds): after its first round, a preparing round of a host with about 360 files
+    stored makes as many S3 requests (within one) as one with about 15, for the same change since the last round
+    (three new level-0 files merged into a new level-1 file): it lists each level only after what the journal records
+    there and looks again only at what the new file covers. The lane mirrors the source's current files exactly.
+    (The writer deletes its own merged uploads by exact version, so the history stored is files, not versions; the
+    ladder here stops at level 1, so they pile up as a long session's would between snapshots.)"""
     costs: dict[int, Counter[str]] = {}
     stored: dict[int, int] = {}
     for syncs in (21, 540):
@@ -382,7 +384,7 @@ async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) ->
         src = {k[len(scope.prefix):] for k in await w.b.store.list_keys(w.b.ie, scope.prefix) if scope.parse(k)}
         assert {k[len(staged):] for k in await w.b.store.list_keys(w.b.uk, staged)} == src, \
             "replica/ holds exactly the generation's current files after the round"
-    assert stored[540] >= 1000 and stored[21] <= 60, stored
+    assert stored[540] >= 20 * stored[21] > 0, stored
     small, big = sum(costs[21].values()), sum(costs[540].values())
     assert big <= small + 1, f"a round with {stored[540]} versions stored made {big} requests, with {stored[21]} " \
         f"{small}: {dict(costs[540])} against {dict(costs[21])}"
