@@ -20,6 +20,11 @@ values, and is moved to the ``uk`` box by :func:`tests.helpers.e2e.run_move` on 
 - **Control-plane cost**: S3 requests per move by verb, split into the deployment bucket (claims, records,
   roster) and the data buckets (replica, lanes, evidence), counted by a proxy around the one ``ObjectStore`` every
   service here shares; and the messages each JetStream stream gained during the move.
+- **A preparing round's cost against the history stored** (issue 19 item 9, §7.3 rounds): a host grown by many
+  small writes (each a sync and the sync loop's compaction ladder) is asked to move with a manual cut; after the
+  rounds that stage everything (one, or more when a round reaches its lease's ``SafeUntil``), each round follows
+  three more such writes, and its S3 requests (the source's round and the target's readiness report) are printed
+  against the objects stored, for :data:`ROUND_SYNCS` writes. Context only.
 
 The last line is ``RESULT move ratio=<worst window/floor> target=3``; above the target it exits 1. A move that
 does not close as done on the target, or loses an acknowledged write, also exits 1.
@@ -52,6 +57,7 @@ from hostmove.stackinfo import StackInfo
 from kernel.ports import SystemRandom, WallClock
 from moveprobe.acks import RowAck, missing_from_db, read_acks
 from moveprobe.config import probe_env
+from services.agent.sides import SourceRunners, TargetRunners
 from services.box.artifacts.sealing import load_private_key, secrets_key_fp
 from services.box.instance.activator import Activator, AppSpec, BoxContext, Started
 from services.box.instance.agentcg import box_session
@@ -61,6 +67,8 @@ from services.box.instance.stamps import StampBook
 from services.box.instance.timers import Timers
 from services.box.roster import ensure_deployment, init_box
 from services.door.api import Door
+from services.door.auth import Identity
+from services.door.decide import MoveRequest
 from services.hosts.create import create_host
 from services.ledger import Committed, Ledger
 from services.objstore.port import Got, Lost, Missing, ObjectEntry, ObjectStore, VersionEntry, Won
@@ -79,6 +87,8 @@ VALUE_BYTES = 512 * 1024  # one POST /write value (moveprobe's HTTP server takes
 IN_FLIGHT = 8  # the restore's concurrency (services/box/replica/restore.py)
 # generous bounds for the bigger databases; the cut and landing deadlines stay the FAST profile's
 RUN_TIMINGS = Timings(within_s=300.0, max_passes=400)
+ROUND_SYNCS = (50, 1000)  # the stored history of the round-cost lines: writes, each its own level-0 file
+ROUNDS = 3  # rounds measured after the first
 
 
 # -- the counting proxy ------------------------------------------------------------------------------------------
@@ -141,9 +151,9 @@ class CountingStore:
         return await self.inner.copy(bucket, key, src_bucket=src_bucket, src_key=src_key,
                                      src_version_id=src_version_id)
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
         self._count(bucket, "list_versions")
-        return await self.inner.list_versions(bucket, prefix)
+        return await self.inner.list_versions(bucket, prefix, after=after)
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         self._count(bucket, "list_keys")
@@ -354,6 +364,91 @@ class Bench:
                    {s: seqs1[s] - seqs0[s] for s in seqs0}, areas1 - areas0, phases(transitions),
                    outcome.ok and not why, why)
 
+    async def rounds(self, syncs: int, ledger: Ledger) -> RoundRow:
+        """A preparing round's requests against the history stored (see the module doc)."""
+        ctx, rng = self.ctx, SystemRandom()
+        host = f"bench-rounds-{syncs}-{rng.token_bytes(3).hex()}.example.com"
+        incarnation = new_incarnation(rng)
+        created = await create_host(ledger, host, box=ctx.label, region="ie", incarnation=incarnation,
+                                    causation="bench")
+        if not isinstance(created, Committed):
+            raise RuntimeError(f"{host} was not created: {created}")
+        ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=incarnation))
+        started = await self.activator.wake(host)
+        if not isinstance(started, Started):
+            raise RuntimeError(f"{host} did not start on {ctx.label}: {started}")
+        running = self.activator.running[host]
+        running.stop.set()  # the writes below sync and compact one by one, as the loop would, only faster
+        if running.task is not None:
+            await running.task
+        running.stop.clear()
+
+        async def write(n: int) -> None:
+            for i in range(n):
+                await asyncio.to_thread(post_write, started.port, f"round-{i}", timeout_s=30)
+                while await running.replicator.sync() is not None:
+                    pass
+                for level in (1, 2, 3):  # when three files wait at the level below, as the loop compacts
+                    if (i + 1) % 3 ** level == 0:
+                        await running.replicator.compact(level, min_inputs=3)
+
+        await write(syncs)
+        running.task = asyncio.create_task(running.replicator.run(running.stop))
+        listed = await self.raw.list_versions(self.buckets["ie"], f"instances/{host}/")
+        current = sum(v.is_latest and not v.is_delete_marker for v in listed)
+        source = SourceSide(ctx=ctx, activator=self.activator, timers=self.source_base.timers,
+                            secrets_key=self.source_base.secrets_key, launch=self.source_base.launch,
+                            ready_url=lambda h: f"http://127.0.0.1:{started.port}/ready")
+        src = SourceRunners(self.deployment, source, RUN_TIMINGS)
+        tgt = TargetRunners(self.deployment, TargetSide(self.landing, self.facts), RUN_TIMINGS)
+        answer = await self.deployment.door.request_move(host, MoveRequest("uk", "manual"),
+                                                         Identity("op", "operator"))
+        if answer.status not in (200, 201):
+            raise RuntimeError(f"the move of {host} was refused: {answer.body}")
+
+        async def one() -> tuple[Counter[tuple[str, str]], float]:
+            record = (await ledger.read_record(host)).state
+            claim = (await ledger.read_claim(host)).state
+            assert record is not None
+            c0, t0 = self.counting.snapshot()[0], time.perf_counter()
+            await src.step(host, "preparing", record, claim)
+            c1 = self.counting.snapshot()[0]
+            await tgt.step(host, "preparing", record, claim, "ie")
+            c2, t2 = self.counting.snapshot()[0], time.perf_counter()
+            out: Counter[tuple[str, str]] = Counter()
+            for side, counts in (("source", c1 - c0), ("target", c2 - c1)):
+                for (_, verb), n in counts.items():
+                    out[side, verb] += n
+            return out, t2 - t0
+
+        first, first_s = await one()
+        last = first
+        for _ in range(20):  # the first staging may take several rounds (each stops at its lease's SafeUntil)
+            if last["source", "copy"] <= 3:
+                break
+            last, more_s = await one()
+            first, first_s = first + last, first_s + more_s
+        later = []
+        for _ in range(ROUNDS):
+            await write(3)
+            later.append(await one())
+        return RoundRow(syncs, len(listed), current, sum(first.values()), first_s, later)
+
+
+@dataclass
+class RoundRow:
+    """A preparing round's cost (see the module doc): ``versions`` and ``current`` the objects stored under the
+    host's generation before the rounds; ``first`` the requests of the rounds that staged it all (one, or more when
+    a round reached its lease's ``SafeUntil`` first); ``rounds`` each later round's requests by ``(side, verb)`` and
+    its seconds."""
+
+    syncs: int
+    versions: int
+    current: int
+    first: int
+    first_s: float
+    rounds: list[tuple[Counter[tuple[str, str]], float]]
+
 
 def _mibs(rate: float) -> str:
     return f"{rate / MIB:.0f}"
@@ -401,6 +496,19 @@ def report(rows: list[Row]) -> float:
     return worst
 
 
+def report_rounds(rows: list[RoundRow]) -> None:
+    print("\nS3 requests per preparing round against the objects stored under the host's generation (source round "
+          "+ target readiness; after the rounds that stage it all, three writes before each)")
+    verbs = sorted({k for r in rows for c, _ in r.rounds for k in c})
+    for r in rows:
+        mean = sum(sum(c.values()) for c, _ in r.rounds) / len(r.rounds)
+        secs = sum(t for _, t in r.rounds) / len(r.rounds)
+        print(f"stored {r.versions:>5} versions ({r.current:>4} current, {r.syncs} writes): staging it all {r.first} "
+              f"requests {r.first_s:.2f} s; later rounds {mean:.1f} requests {secs:.2f} s each: "
+              + " ".join(f"{side}:{verb}={sum(c[side, verb] for c, _ in r.rounds) / len(r.rounds):.1f}"
+                         for side, verb in verbs))
+
+
 async def run(info: StackInfo, tmp: Path) -> int:
     clock, rng = WallClock(), SystemRandom()
     raw = await S3Store.open(info.s3_endpoint, info.s3_access_key, info.s3_secret_key, info.s3_region)
@@ -428,6 +536,7 @@ async def run(info: StackInfo, tmp: Path) -> int:
               file=sys.stderr)
         return 2
     rows: list[Row] = []
+    round_rows: list[RoundRow] = []
     try:
         with box_session(tree) as home:
             ctx = BoxContext(label=src_label, region="ie", box_dir=ie.box_dir, data_bucket=buckets["ie"],
@@ -466,6 +575,9 @@ async def run(info: StackInfo, tmp: Path) -> int:
                 for size_mib in SIZES_MIB:
                     print(f"moving a {size_mib} MiB database from {src_label} to {tgt_label} ...", flush=True)
                     rows.append(await bench.one(size_mib, ledger))
+                for syncs in ROUND_SYNCS:
+                    print(f"preparing rounds of a host grown by {syncs} writes ...", flush=True)
+                    round_rows.append(await bench.rounds(syncs, ledger))
             finally:
                 await activator.close()
                 for host_ in list(landing.running):
@@ -479,6 +591,7 @@ async def run(info: StackInfo, tmp: Path) -> int:
         await raw.close()
     print()
     worst = report(rows)
+    report_rounds(round_rows)
     print(result("move", worst, TARGET))
     return 0 if worst <= TARGET else 1
 

@@ -226,6 +226,23 @@ async def test_listing_pages(store: Store, bucket: str) -> None:
         assert mine[0].etag == md5_etag(b"again")
 
 
+async def test_a_version_listing_starts_after_a_key(store: Store, bucket: str) -> None:
+    """``after`` (S3's ``KeyMarker``): only the versions of keys that sort after it, across pages, a key's
+    versions and markers all included; a marker that is no key starts where it would sort (issue 19 item 9)."""
+    keys = [f"tail/{i:03d}" for i in range(30)]
+    await asyncio.gather(*(store.put(bucket, k, k.encode()) for k in keys))
+    await store.put(bucket, "tail/020", b"again")
+    await store.delete(bucket, "tail/025")
+    won(await store.put(bucket, "tailx", b"outside the prefix"))
+    listed = await store.list_versions(bucket, "tail/", after="tail/011")
+    assert [e.key for e in listed] == sorted(e.key for e in listed) and {e.key for e in listed} == set(keys[12:])
+    assert len(listed) == 18 + 2, "tail/020's older version and tail/025's marker are listed too"
+    assert sum(e.is_delete_marker for e in listed) == 1
+    assert {e.key for e in await store.list_versions(bucket, "tail/", after="tail/0115")} == set(keys[12:])
+    assert await store.list_versions(bucket, "tail/", after="tail/029") == []
+    assert len(await store.list_versions(bucket, "tail/", after="")) == 32
+
+
 async def test_keys_with_spaces_unicode_and_plus_round_trip(store: Store, bucket: str) -> None:
     keys = ["odd/a b", "odd/caf\u00e9", "odd/x+y", "odd/%41", "odd/t\u00e4g/1"]
     for k in keys:

@@ -47,8 +47,11 @@ from services.source.staging import (
     StagedObject,
     StagedSet,
     Stager,
+    covered,
     lane,
     plan_mirror,
+    plan_round,
+    round_tails,
 )
 from tests.helpers.pushonly import PushOnly
 from tests.helpers.stores import Regions, regions
@@ -143,6 +146,56 @@ def test_the_mirror_plan_comes_from_the_journal_never_from_the_target() -> None:
     assert plan.keep == {"a": "va"}
     assert plan.copy == {"b": "s2", "c": "s3-new", "d": "s5"}, "pending, changed and new are copied"
     assert plan.delete == ("gone",), "only what it staged under replica/ and no longer has"
+
+
+def _ltx(level: int, lo: int, hi: int) -> str:
+    return f"{level:04d}/{lo:016x}-{hi:016x}.ltx"
+
+
+def test_a_round_lists_each_level_after_what_the_journal_records_there() -> None:
+    """Issue 19 item 9 (§7.3 rounds): the tails are the newest recorded name of each level, never a pending one;
+    the level above the highest and the snapshot level are listed from their start; no recorded replica file: a
+    first round lists the whole generation."""
+    objects = {REPLICA + _ltx(0, 5, 5): StagedObject(version="v5", src="s5"),
+               REPLICA + _ltx(0, 6, 6): StagedObject(version="v6", src="s6"),
+               REPLICA + _ltx(0, 7, 7): StagedObject(version="", src="s7"),  # pending: listed again
+               REPLICA + _ltx(1, 1, 3): StagedObject(version="v13", src="s13"),
+               "files/archive.sealed": StagedObject(version="vf", src="round:x")}
+    staged = StagedSet(v=1, host=HOST, move_id=MV, region="uk", objects=objects)
+    assert round_tails(staged) == {0: _ltx(0, 6, 6), 1: _ltx(1, 1, 3), 2: "", 9: ""}
+    assert round_tails(StagedSet(v=1, host=HOST, move_id=MV, region="uk", objects={
+        REPLICA + _ltx(0, 1, 1): StagedObject(version="", src="s1")})) is None
+
+
+def test_a_round_lists_every_level_below_the_highest_recorded_even_one_the_journal_holds_nothing_of() -> None:
+    """A level-2 compaction merges and deletes every level-1 file, so a journal may record levels 0 and 2 and none
+    of 1; the next level-1 file (a compaction of new level-0 files, which it deletes) must still be listed, or the
+    round misses what it holds and reports fewer bytes than the cut's final mirror then copies (§7.3 ``ready``).
+    A journal of a snapshot alone (a built generation before its first write) lists levels 0 and 1 from the start."""
+    gap = StagedSet(v=1, host=HOST, move_id=MV, region="uk", objects={
+        REPLICA + _ltx(0, 9, 9): StagedObject(version="v9", src="s9"),
+        REPLICA + _ltx(2, 1, 8): StagedObject(version="v18", src="s18")})
+    assert round_tails(gap) == {0: _ltx(0, 9, 9), 1: "", 2: _ltx(2, 1, 8), 3: "", 9: ""}
+    snapshot = StagedSet(v=1, host=HOST, move_id=MV, region="uk", objects={
+        REPLICA + _ltx(9, 1, 4): StagedObject(version="v14", src="s14")})
+    assert round_tails(snapshot) == {0: "", 1: "", 9: _ltx(9, 1, 4)}
+
+
+def test_a_round_copies_what_is_new_and_deletes_what_a_compaction_merged_and_the_source_dropped() -> None:
+    """A new level-1 file ``[4, 6]`` covers the staged level-0 files 4 to 6: those are looked at again (one HEAD
+    each, as many as were merged); the ones the source dropped go, the newest it keeps stays; a level-0 file a new
+    level-1 file does not cover is not looked at; a file listed after its tail with the recorded version is kept."""
+    objects = {REPLICA + _ltx(0, n, n): StagedObject(version=f"v{n}", src=f"s{n}") for n in (3, 4, 5, 6)}
+    objects[REPLICA + _ltx(1, 1, 3)] = StagedObject(version="v13", src="s13")
+    staged = StagedSet(v=1, host=HOST, move_id=MV, region="uk", objects=objects)
+    new = {_ltx(0, 7, 7): "s7", _ltx(1, 4, 6): "s46"}
+    assert covered(staged, new) == (_ltx(0, 4, 4), _ltx(0, 5, 5), _ltx(0, 6, 6))
+    plan = plan_round(staged, new, frozenset({_ltx(0, 4, 4), _ltx(0, 5, 5)}))
+    assert plan.copy == new
+    assert plan.delete == (_ltx(0, 4, 4), _ltx(0, 5, 5))
+    assert plan.keep == {_ltx(0, 3, 3): "v3", _ltx(0, 6, 6): "v6", _ltx(1, 1, 3): "v13"}
+    again = plan_round(staged, {_ltx(0, 6, 6): "s6", _ltx(0, 5, 5): "s5-rewritten"})
+    assert again.copy == {_ltx(0, 5, 5): "s5-rewritten"} and again.delete == () and _ltx(0, 6, 6) in again.keep
 
 
 # -- the staging lane's names and park scope (§6.4, §7.3) ---------------------------------------------------------

@@ -8,6 +8,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from events.copy import say
 from events.ids import new_incarnation, new_op_id
 from events.record import Move, MoveInputs, Record
 from hostmove.stackinfo import StackInfo
+from kernel import metrics
 from kernel.ports import ManualClock, SeededRandom, SystemRandom, WallClock
 from services.box.artifacts.archive import extract
 from services.box.artifacts.sealing import generate_private_key
@@ -333,6 +335,60 @@ async def make_world(buckets: Buckets, unique: Callable[[str], str], tmp_path: P
             for w in made:
                 if not w.rep._closed:
                     await w.rep.close()
+
+
+def s3_requests() -> Counter[str]:
+    """This process's S3 requests so far by operation (``hostmove_s3_requests_total``, issue 19 item 5)."""
+    out: Counter[str] = Counter()
+    for metric in metrics.S3_REQUESTS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["operation"]] += int(sample.value)
+    return out
+
+
+async def grow(w: World, syncs: int) -> None:
+    """``syncs`` level-0 files, each a write and a sync, compacted into level 1 as the sync loop does (every third
+    file; compaction deletes what it merged, bar the newest level-0 file: the stored history grows in versions)."""
+    for i in range(syncs):
+        w.write(1)
+        await w.rep.sync()
+        if i % 3 == 2:
+            await w.rep.compact(1, min_inputs=3)
+
+
+@pytest.mark.timeout(900)
+async def test_a_round_costs_what_changed_not_what_is_stored(make_world: Any) -> None:
+    """Issue 19 item 9 (§7.3 rounds): after its first round, a preparing round of a host with about 360 files
+    stored makes as many S3 requests (within one) as one with about 15, for the same change since the last round
+    (three new level-0 files merged into a new level-1 file): it lists each level only after what the journal records
+    there and looks again only at what the new file covers. The lane mirrors the source's current files exactly.
+    (The writer deletes its own merged uploads by exact version, so the history stored is files, not versions; the
+    ladder here stops at level 1, so they pile up as a long session's would between snapshots.)"""
+    costs: dict[int, Counter[str]] = {}
+    stored: dict[int, int] = {}
+    for syncs in (21, 540):
+        w: World = await make_world()
+        await grow(w, syncs)
+        scope = GenerationScope(f"instances/{w.host}/{INC}", "g1")
+        stored[syncs] = len(await w.b.store.list_versions(w.b.ie, scope.prefix))
+        first = await w.runner().run(w.host, w.move_id, INC)
+        assert first.step.kind == "round" and first.observed is not None and not first.observed.staging_refused
+        await grow(w, 3)
+        w.clock.advance(1_000)
+        before = s3_requests()
+        second = await w.runner().run(w.host, w.move_id, INC)
+        costs[syncs] = s3_requests() - before
+        assert second.observed is not None and second.observed.round_bytes > 0, "the new files were staged"
+        staged = lane(w.host, w.move_id) + "replica/"
+        src = {k[len(scope.prefix):] for k in await w.b.store.list_keys(w.b.ie, scope.prefix) if scope.parse(k)}
+        assert {k[len(staged):] for k in await w.b.store.list_keys(w.b.uk, staged)} == src, \
+            "replica/ holds exactly the generation's current files after the round"
+    assert stored[540] >= 20 * stored[21] > 0, stored
+    small, big = sum(costs[21].values()), sum(costs[540].values())
+    assert big <= small + 1, f"a round with {stored[540]} versions stored made {big} requests, with {stored[21]} " \
+        f"{small}: {dict(costs[540])} against {dict(costs[21])}"
+    assert costs[540]["list_object_versions"] == costs[21]["list_object_versions"]
 
 
 async def test_a_round_stages_the_marker_once_mirrors_the_replica_and_reports(make_world: Any) -> None:

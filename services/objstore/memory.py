@@ -435,11 +435,12 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ listings
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
         def effect() -> list[VersionEntry]:
             b = self._bucket(bucket)
             out: list[VersionEntry] = []
-            for key in b.under(prefix):
+            keys = b.under(prefix)
+            for key in keys[bisect.bisect_right(keys, after):] if after else keys:
                 versions = b.keys[key]
                 for i, v in enumerate(reversed(versions)):
                     out.append(

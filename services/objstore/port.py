@@ -123,8 +123,10 @@ class ObjectStore(Protocol):
         self, bucket: str, key: str, *, src_bucket: str, src_key: str, src_version_id: str | None = None
     ) -> Won: ...
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
-        """Every version and delete marker under ``prefix``, all pages, in key order."""
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
+        """Every version and delete marker under ``prefix``, all pages, in key order; with ``after``, only those of
+        keys that sort after it (S3's ``KeyMarker``: a listing that starts where an earlier one ended, so its cost is
+        what is new, issue 19 item 9)."""
         ...
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:

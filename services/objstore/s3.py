@@ -423,11 +423,14 @@ class S3Store:
 
     # ------------------------------------------------------------------ listings
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
-        """Every version and delete marker under ``prefix``, all pages, sorted by key; within a key
-        the server's order (newest first) is kept, markers interleaved where the server put them."""
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
+        """Every version and delete marker under ``prefix`` (of keys after ``after``: the first page's
+        ``KeyMarker``), all pages, sorted by key; within a key the server's order (newest first) is kept,
+        markers interleaved where the server put them."""
         entries: list[VersionEntry] = []
         params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.page_size}
+        if after:
+            params["KeyMarker"] = after
         what = f"list_versions {bucket}/{prefix}"
         while True:
             res = await self._call("list_object_versions", what, **params)
@@ -446,7 +449,7 @@ class S3Store:
             else:
                 params.pop("VersionIdMarker", None)
         entries.sort(key=lambda e: e.key)  # stable: keeps the order within a key
-        return entries
+        return [e for e in entries if e.key > after] if after else entries
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         return [e.key for e in await self._list_objects(bucket, prefix, f"list_keys {bucket}/{prefix}")]

@@ -492,7 +492,7 @@ class PreparingRunner:
                 await stager.write_marker(MoveMarker(move_id=move.id, incarnation=move.incarnation, host=host,
                                                      from_=move.from_ or box.region, to=move.to))
                 scope = GenerationScope(claim.holder.location, claim.holder.generation)
-                mirrored = await stager.mirror(box.data_store, box.data_bucket, scope)
+                mirrored = await stager.mirror(box.data_store, box.data_bucket, scope, final=False)
                 if files_plain and box.target_key is not None and not stager.round_archive_current(files_plain):
                     try:
                         archive, manifest = await blocking(self._archive, host, record)

@@ -13,6 +13,16 @@ source's own replica with that journal, never with a listing of the target; the 
 records (§7.3 "Seal by version"), so a stale round's later version, a pending write that landed unrecorded, or an
 object someone else wrote is never named and the landing never reads it.
 
+**What a round costs (issue 19 item 9).** A preparing round's requests follow what changed since the last round,
+never the files the host has stored: a level's keys are ordered by TXID and a writer only adds files above the
+newest of a level, so a round lists each level after the newest file the journal records there
+(:func:`round_tails`, S3's ``KeyMarker``) and looks again (one HEAD each) only at the files a new compacted file
+covers, which are all a compaction deletes (:func:`covered`, :func:`plan_round`). What that cannot see (a key
+rewritten in place, a delete by retention, a late upload below a tail) is left for the final mirror at ``staged``,
+which lists the whole generation as every mirror did: the seal is decided from that listing and the journal alone,
+so a round's shortcut never reaches a landing. A crash between the journal's pending record and its versions leaves
+the pending names above the tails, listed again; a journal that records no replica file yet lists everything.
+
 **Under the staging-work lease.** Every request is preceded by :meth:`StagingWork.before_sign
 <services.move.lease.StagingWork.before_sign>` (§7.3 "Sign only before SafeUntil"); the journal is written by
 CAS, so two writers never interleave silently (a lost CAS stops the round).
@@ -33,6 +43,7 @@ import msgspec
 
 from events.base import Durable, Ident, canonical, decode
 from services.box.replica.layout import GenerationScope, parse_ltx_name
+from services.box.replica.ltx import SNAPSHOT_LEVEL
 from services.move.follow import host_segment, staging_lane
 from services.move.lease import StagingStopped, StagingWork
 from services.objstore.port import Got, InvalidRequest, Lost, ObjectStore, StoreError, VersionEntry, Won
@@ -141,6 +152,59 @@ def plan_mirror(staged: StagedSet, source: dict[str, str]) -> MirrorPlan:
             copy[rel] = src_version
     delete = tuple(sorted(k[len(REPLICA):] for k in staged.objects
                           if k.startswith(REPLICA) and k[len(REPLICA):] not in source))
+    return MirrorPlan(copy, delete, keep)
+
+
+def round_tails(staged: StagedSet) -> dict[int, str] | None:
+    """Where a preparing round's listing starts, per level (§7.3 "Snapshot rounds"; issue 19 item 9): the newest
+    name under ``replica/`` the journal records with its version at each level it holds, ``""`` for the level above
+    the highest of them and for the snapshot level. A level's keys are ordered by TXID and a writer adds files above
+    the newest of a level (an upload, a compaction's output), so what a round has not mirrored yet sorts after its
+    tail. Every level below the highest recorded one is listed, from its start where the journal records none (a
+    compaction into the level above deletes all of it), and level 0 and 1 above a snapshot alone. None while the
+    journal records no replica file: a first round lists the whole generation."""
+    tails: dict[int, str] = {}
+    for name, obj in staged.objects.items():
+        parsed = parse_ltx_name(name[len(REPLICA):]) if name.startswith(REPLICA) and obj.version else None
+        if parsed is not None:
+            rel = name[len(REPLICA):]
+            tails[parsed[0]] = max(tails.get(parsed[0], ""), rel)
+    if not tails:
+        return None
+    top = max((level for level in tails if level < SNAPSHOT_LEVEL), default=0) + 1
+    for level in range(min(top, SNAPSHOT_LEVEL - 1) + 1):  # a level compacted away is listed from its start
+        tails.setdefault(level, "")
+    tails.setdefault(SNAPSHOT_LEVEL, "")
+    return dict(sorted(tails.items()))
+
+
+def covered(staged: StagedSet, new: dict[str, str]) -> tuple[str, ...]:
+    """The staged files a round must look at again (:func:`plan_round`): those of level ``L - 1`` inside the TXID
+    range of a new level-``L`` file (``new``: name -> source version of the files listed after the tails). A
+    compaction merged them and deletes them, bar the newest level-0 file (§5.1 step 8), so they are what the source
+    can have deleted since the last round; one look each, as many as the compaction merged."""
+    ranges = [p for rel in new if (p := parse_ltx_name(rel)) is not None and 1 <= p[0] < SNAPSHOT_LEVEL]
+    out: list[str] = []
+    for name, obj in staged.objects.items():
+        rel = name[len(REPLICA):]
+        p = parse_ltx_name(rel) if name.startswith(REPLICA) and obj.version and rel not in new else None
+        if p is not None and any(p[0] == level - 1 and lo <= p[1] and p[2] <= hi for level, lo, hi in ranges):
+            out.append(rel)
+    return tuple(sorted(out))
+
+
+def plan_round(staged: StagedSet, new: dict[str, str], gone: frozenset[str] = frozenset()) -> MirrorPlan:
+    """A preparing round's mirror from the journal, the source files listed after the tails and the covered files
+    looked at again (``new``: name -> current source version; ``gone``: covered files the source no longer has):
+    copy what is new or changed, delete what is gone, keep everything else the journal records. Exact for what it
+    looked at; a file the source rewrote or deleted elsewhere is left to the final mirror at ``staged``, which lists
+    the whole generation, and the seal names only what that finds (§7.3 "Seal by version")."""
+    keep = {k[len(REPLICA):]: o.version for k, o in staged.objects.items() if k.startswith(REPLICA) and o.version}
+    copy = {rel: v for rel, v in sorted(new.items())
+            if rel not in keep or staged.objects[REPLICA + rel].src != v}
+    delete = tuple(sorted(rel for rel in gone if rel in keep and rel not in new))
+    for rel in (*copy, *delete):
+        keep.pop(rel, None)
     return MirrorPlan(copy, delete, keep)
 
 
@@ -264,16 +328,21 @@ class Stager:
 
     # -- replica/ ---------------------------------------------------------------------------------------------
 
-    async def mirror(self, src: ObjectStore, src_bucket: str, scope: GenerationScope) -> Mirrored:
+    async def mirror(self, src: ObjectStore, src_bucket: str, scope: GenerationScope, *,
+                     final: bool = True) -> Mirrored:
         """Mirror the current replica files of ``scope`` into ``replica/`` by server-side copy of exact versions,
         then delete what this source staged and no longer has, under ``replica/`` only (§7.3 ``MirrorPrefix``).
 
         The writer deletes its own uploads by exact version (its compaction and retention): a listed version gone
         by the time of its COPY ends the pass, and the next pass mirrors a fresh listing (which holds the file that
-        replaced it), so a round's set is the source's current set at one listing, never one with a hole."""
+        replaced it), so a round's set is the source's current set at one listing, never one with a hole.
+
+        The final mirror (``staged``, the seal) lists the whole generation and is exact. A preparing round
+        (``final=False``) lists each level only after what the journal records there (:func:`round_tails`,
+        :func:`plan_round`), so its requests follow what changed since the last round, not the files stored."""
         copied = deleted = moved = 0
         for _ in range(_MIRROR_PASSES):
-            out = await self._mirror_pass(src, src_bucket, scope)
+            out = await self._mirror_pass(src, src_bucket, scope, final=final)
             copied, deleted, moved = copied + out.copied, deleted + out.deleted, moved + out.bytes
             if out.versions is not None:
                 max_l0 = max((p[2] for rel in out.versions if (p := parse_ltx_name(rel)) is not None and p[0] == 0),
@@ -281,10 +350,27 @@ class Stager:
                 return Mirrored(out.versions, copied, deleted, moved, max_l0)
         raise StoreError(f"the source replica {scope.prefix!r} changed under {_MIRROR_PASSES} passes of one round")
 
-    async def _mirror_pass(self, src: ObjectStore, src_bucket: str, scope: GenerationScope) -> _Pass:
-        listed = _latest(await src.list_versions(src_bucket, scope.prefix))
-        source = {k[len(scope.prefix):]: e for k, e in listed.items() if scope.parse(k) is not None}
-        plan = plan_mirror(self.state, {rel: e.version_id for rel, e in source.items()})
+    async def _mirror_pass(self, src: ObjectStore, src_bucket: str, scope: GenerationScope, *, final: bool) -> _Pass:
+        tails = None if final else round_tails(self.state)
+        if tails is None:
+            listed = _latest(await src.list_versions(src_bucket, scope.prefix))
+            source = {k[len(scope.prefix):]: e for k, e in listed.items() if scope.parse(k) is not None}
+            plan = plan_mirror(self.state, {rel: e.version_id for rel, e in source.items()})
+        else:
+            source = {}
+            for level, tail in tails.items():
+                prefix = f"{scope.prefix}{level:04d}/"
+                listed = _latest(await src.list_versions(src_bucket, prefix, after=scope.prefix + tail if tail
+                                                         else ""))
+                source.update({k[len(scope.prefix):]: e for k, e in listed.items() if scope.parse(k) is not None})
+            gone: set[str] = set()
+            for rel in covered(self.state, {rel: e.version_id for rel, e in source.items()}):
+                head = await src.head(src_bucket, scope.prefix + rel)
+                if isinstance(head, Got) and head.version_id:  # still there (a HEAD tells no size: rare, 0)
+                    source[rel] = VersionEntry(scope.prefix + rel, head.version_id, True, False, head.etag, 0, 0)
+                elif not isinstance(head, Got):
+                    gone.add(rel)
+            plan = plan_round(self.state, {rel: e.version_id for rel, e in source.items()}, frozenset(gone))
         if plan.copy:  # journal first: the copies are pending until their versions are recorded
             await self._journal(with_objects(self.state, {REPLICA + rel: StagedObject(version="", src=v)
                                                           for rel, v in plan.copy.items()}))
@@ -378,5 +464,5 @@ class Stager:
 __all__ = [
     "ARCHIVE", "FILES", "LANDED", "MANIFEST", "PENDING", "REPLICA", "TIMERS", "TIMERS_JSON", "MirrorPlan", "Mirrored",
     "MoveMarker", "StagedObject", "StagedSet", "Stager", "StagingConflict", "create_once", "journal_key", "lane",
-    "plan_mirror", "tag", "with_objects",
+    "covered", "plan_mirror", "plan_round", "round_tails", "tag", "with_objects",
 ]

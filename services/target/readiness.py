@@ -343,8 +343,8 @@ async def report_readiness(
     lane = f"moves/{quote(host, safe='.-_~@+')}/{move.id}/"
     storage_ok, storage_detail = await storage_probe(data_store, data_bucket, f"{host}-{move.id}")
     lane_ok, lane_detail = await lane_probe(source_store, source_bucket, f"{host}-{move.id}")
-    replica_bytes = sum(v.size for v in await data_store.list_versions(data_bucket, lane + "replica/")
-                        if v.is_latest and not v.is_delete_marker)
+    # the current objects only (ListObjectsV2): a listing of every version grew with each round's copies and deletes
+    replica_bytes = sum(e.size for e in await data_store.list_entries(data_bucket, lane + "replica/"))
     archive = await data_store.get(data_bucket, lane + "files/archive.sealed")
     manifest = await data_store.get(data_bucket, lane + "files/manifest.json")
     archive_ok: bool | None = None

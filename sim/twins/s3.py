@@ -574,9 +574,9 @@ class SimS3Client:
             (Access("copy_source", src_bucket, src_key),),
         )
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
         return await self._call(Access("list_versions", bucket, prefix),
-                                lambda: self.server.inner.list_versions(bucket, prefix))
+                                lambda: self.server.inner.list_versions(bucket, prefix, after=after))
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         return await self._call(Access("list_keys", bucket, prefix),

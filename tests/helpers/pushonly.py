@@ -68,9 +68,9 @@ class PushOnly:
         return await self.store.copy(bucket, key, src_bucket=src_bucket, src_key=src_key,
                                      src_version_id=src_version_id)
 
-    async def list_versions(self, bucket: str, prefix: str = "") -> list[VersionEntry]:
+    async def list_versions(self, bucket: str, prefix: str = "", *, after: str = "") -> list[VersionEntry]:
         self._deny("list_versions", bucket, prefix)
-        return await self.store.list_versions(bucket, prefix)
+        return await self.store.list_versions(bucket, prefix, after=after)
 
     async def list_keys(self, bucket: str, prefix: str = "") -> list[str]:
         self._deny("list_keys", bucket, prefix)
