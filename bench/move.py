@@ -311,9 +311,10 @@ class Bench:
     async def stream_seqs(self) -> dict[str, int]:
         return {s: (await self.events.state(s)).last_seq for s in (LEDGER_STREAM, FACTS_STREAM)}
 
-    async def one(self, size_mib: int, ledger: Ledger) -> Row:
+    async def started(self, name: str, ledger: Ledger) -> tuple[str, Started]:
+        """A new host ``bench-<name>-<random>`` created on the source box, its route ready, and started there."""
         ctx, rng = self.ctx, SystemRandom()
-        host = f"bench-{size_mib}m-{rng.token_bytes(3).hex()}.example.com"
+        host = f"bench-{name}-{rng.token_bytes(3).hex()}.example.com"
         incarnation = new_incarnation(rng)
         created = await create_host(ledger, host, box=ctx.label, region="ie", incarnation=incarnation,
                                     causation="bench")
@@ -323,6 +324,11 @@ class Bench:
         started = await self.activator.wake(host)
         if not isinstance(started, Started):
             raise RuntimeError(f"{host} did not start on {ctx.label}: {started}")
+        return host, started
+
+    async def one(self, size_mib: int, ledger: Ledger) -> Row:
+        ctx = self.ctx
+        host, started = await self.started(f"{size_mib}m", ledger)
         writes = max(1, size_mib * MIB // VALUE_BYTES)
         for _ in range(writes):
             value = base64.b64encode(os.urandom(VALUE_BYTES * 3 // 4)).decode()  # incompressible for zstd
@@ -366,17 +372,8 @@ class Bench:
 
     async def rounds(self, syncs: int, ledger: Ledger) -> RoundRow:
         """A preparing round's requests against the history stored (see the module doc)."""
-        ctx, rng = self.ctx, SystemRandom()
-        host = f"bench-rounds-{syncs}-{rng.token_bytes(3).hex()}.example.com"
-        incarnation = new_incarnation(rng)
-        created = await create_host(ledger, host, box=ctx.label, region="ie", incarnation=incarnation,
-                                    causation="bench")
-        if not isinstance(created, Committed):
-            raise RuntimeError(f"{host} was not created: {created}")
-        ctx.registry.insert(RouteRow(host=host, status="ready", incarnation=incarnation))
-        started = await self.activator.wake(host)
-        if not isinstance(started, Started):
-            raise RuntimeError(f"{host} did not start on {ctx.label}: {started}")
+        ctx = self.ctx
+        host, started = await self.started(f"rounds-{syncs}", ledger)
         running = self.activator.running[host]
         running.stop.set()  # the writes below sync and compact one by one, as the loop would, only faster
         if running.task is not None:
