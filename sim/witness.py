@@ -309,9 +309,14 @@ async def w_move(world: World) -> None:
     source's finalizer passes the host again and again without time passing: INV-3 (a livelock)."""
     mw = await _serving_with_writes(world, 5)
     await _request_move(mw, "uk")
-    await _closed(mw)
-    await _serving_on(mw, "uk-1")
-    await _writes(mw, 3, "after")
+    await _closes_and_serves(mw, "uk-1", 3)
+
+
+async def _closes_and_serves(world: MoveWorld, box: str, writes: int, tag: str = "after") -> None:
+    """The end of most scripts: the move closes, the host serves on ``box`` and takes ``writes`` more writes."""
+    await _closed(world)
+    await _serving_on(world, box)
+    await _writes(world, writes, tag)
 
 
 def _in_state(world: MoveWorld, *states: str, host: str = H) -> Callable[[], bool]:
@@ -452,9 +457,7 @@ async def w_dirty_rollback(world: World) -> None:
     record = mw.records.get(H)
     if record is not None and record.move is not None:  # the plan's switch is this move's from its request on
         mw.move_of[(H, 0)] = record.move.id
-    await _closed(mw)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "ie-1", 2)
 
 
 async def w_target_park(world: World) -> None:
@@ -483,9 +486,7 @@ async def w_public_during_probe(world: World) -> None:
 
     await world.until("the landing's probe runs on uk-1", probing, timeout=4 * 3600.0)
     mw.write(H, "during-probe")  # answered "asleep": nothing serves it on uk-1 until the open
-    await _closed(mw)
-    await _serving_on(mw, "uk-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "uk-1", 2)
 
 
 async def w_move_asleep(world: World) -> None:
@@ -496,9 +497,7 @@ async def w_move_asleep(world: World) -> None:
     mw = await _serving_with_writes(world, 2)
     await world.until(f"{H} asleep on ie-1", lambda: mw._asleep(H, mw.checker.claims[H]), timeout=3600.0)
     await _request_move(mw, "uk")
-    await _closed(mw)
-    await _serving_on(mw, "uk-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "uk-1", 2)
 
 
 def _probing(mw: MoveWorld, box: str) -> Callable[[], bool]:
@@ -539,9 +538,7 @@ async def w_declare_lost(world: World) -> None:
         status = await console.declare_lost(H, "uk-1")
         if status != 200:
             raise MilestoneMissed(f"the door refused to declare the stopped uk-1 lost: {status}")
-    await _closed(mw)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "ie-1", 2)
     if "uk-1" in mw.stopped:
         mw.start_machine("uk-1")
     else:
@@ -605,9 +602,7 @@ async def w_lost_return_park(world: World) -> None:
     if status != 200:
         raise MilestoneMissed(f"the door refused to declare the stopped uk-1 lost: {status}")
     hold.release()
-    await _closed(mw)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "ie-1", 2)
     # What the lost box would have parked in its own region (its location in uk: the declaration's left_in_region)
     # waits for a box of that region: the platform starts uk-1 again, it quarantines, and its at-rest sweep retires
     # that location (§6.4). The lane in ie's bucket is the source's to park, and only the declaration owes it.
@@ -693,9 +688,7 @@ async def w_move_crashes(world: World) -> None:
     world.crash("uk-1", "witness: the target agent dies in its landing")
     await asyncio.sleep(30.0)
     world.start("uk-1")
-    await _closed(mw)
-    await _serving_on(mw, "uk-1")
-    await _writes(mw, 3, "after")
+    await _closes_and_serves(mw, "uk-1", 3)
 
 
 MOVE_CRASHES = Witness("wMoveCrashes", (), "INV-3", ((H, "ie-1"),), w_move_crashes, w_move_crashes.__doc__ or "",
@@ -712,9 +705,7 @@ async def w_repeat_moves(world: World) -> None:
     mw = await _serving_with_writes(world, 3)
     for nth, (to, box) in enumerate((("uk", "uk-1"), ("us", "us-1"), ("ie", "ie-1"))):
         await _request_move(mw, to, nth=nth)
-        await _closed(mw)
-        await _serving_on(mw, box)
-        await _writes(mw, 2, f"after{nth}-")
+        await _closes_and_serves(mw, box, 2, f"after{nth}-")
 
 
 async def w_probe_reboot(world: World) -> None:
@@ -743,9 +734,7 @@ async def w_probe_reboot(world: World) -> None:
     assert entry is not None
     await mw.compute.stop(BoxCompute.of(entry))
     mw.start_machine("uk-1")
-    await _closed(mw)
-    await _serving_on(mw, "ie-1")
-    await _writes(mw, 2, "after")
+    await _closes_and_serves(mw, "ie-1", 2)
 
 
 PROBE_REBOOT = Witness("wProbeReboot", (), "INV-2", ((H, "ie-1"),), w_probe_reboot, w_probe_reboot.__doc__ or "",
