@@ -20,6 +20,10 @@ import pytest
 import pytest_asyncio
 
 from bus.nats_log import NatsEventLog
+from bus.subjects import LEDGER_STREAM, ledger_subject
+from events.base import decode
+from events.durable import DurableValueError
+from events.envelope import Transition
 from events.ids import new_incarnation
 from hostmove.probe_apps import post_write
 from hostmove.rehearsal import ack_logs, checks, timers_once, unanswered_deliveries
@@ -98,7 +102,38 @@ async def moved(w: AgentWorld, host: str, move_id: str, timeout_s: float = 150.0
     except AssertionError:
         record = (await w.ledger.read_record(host)).state
         logs = "\n".join(a.output()[-3000:] for a in w.agents.values())
-        raise AssertionError(f"not moved; record {record}\n{logs}") from None
+        raise AssertionError(f"not moved; record {record}{await rollbacks(w, host, move_id)}"
+                             f"{warnings(w, host)}\n{logs}") from None
+
+
+async def rollbacks(w: AgentWorld, host: str, move_id: str) -> str:
+    """On a failure: every rollback the ledger recorded for ``move_id`` (its reason and evidence), so a move that
+    rolled back says why (the CI run keeps no files, only this message)."""
+    seen: list[str] = []
+    async for msg in w.events.replay(LEDGER_STREAM, subject=ledger_subject("record", host)):
+        with contextlib.suppress(DurableValueError, ValueError):
+            event = decode(msg.data, Transition)
+            move = event.record.move if event.record is not None else None
+            if move is not None and move.id == move_id and move.rollback is not None:
+                why = f"{move.rollback.reason} (evidence {move.rollback.evidence or 'none'})"
+                if not any(line.endswith(why) for line in seen):  # the event that recorded it, not its followers
+                    seen.append(f"{event.meta.name} by {event.meta.actor.box or event.meta.actor.service}: {why}")
+    return "".join(f"\nrollback: {line}" for line in seen)
+
+
+def warnings(w: AgentWorld, host: str, cap: int = 60) -> str:
+    """On a failure: the agents' warnings and errors about ``host``, in time order."""
+    out: list[str] = []
+    for region, agent in w.agents.items():
+        with contextlib.suppress(OSError):
+            for raw in agent.log.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    line = json.loads(raw)
+                    about = line.get("host") == host or host in str(line.get("message", ""))
+                    if about and line.get("level") in ("WARNING", "ERROR"):
+                        out.append(f"{str(line.get('time', ''))[:23]} {region} {line.get('message', '')}"[:400])
+    out.sort()
+    return "\nwarnings about the host:\n  " + "\n  ".join(out[-cap:]) if out else ""
 
 
 def where_acks_are(w: AgentWorld, host: str) -> str:
@@ -174,7 +209,8 @@ async def closed_on_ie(w: AgentWorld, host: str, move_id: str, outcome: str, *, 
     except AssertionError:
         record, claim = (await w.ledger.read_record(host)).state, (await w.ledger.read_claim(host)).state
         logs = "\n".join(a.output()[-4000:] for a in w.agents.values())
-        raise AssertionError(f"not closed; record {record}\nclaim {claim}\n{logs}") from None
+        raise AssertionError(f"not closed; record {record}\nclaim {claim}{await rollbacks(w, host, move_id)}"
+                             f"{warnings(w, host)}\n{logs}") from None
     record = (await w.ledger.read_record(host)).state
     claim = (await w.ledger.read_claim(host)).state
     assert record is not None and record.last_move is not None and record.last_move.outcome == outcome
