@@ -244,6 +244,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
     from services.agent.service import (
         PROFILES,
         BoxAgent,
+        cut_slots_override,
         cut_window_override,
         idle_override,
         pass_workers_override,
@@ -272,6 +273,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         timing = cut_window_override(timing, os.environ.get("HOSTMOVE_CUT_WINDOW_S"))
         timing = scan_override(timing, os.environ.get("HOSTMOVE_SCAN_S"))
         timing = pass_workers_override(timing, os.environ.get("HOSTMOVE_PASS_WORKERS"))
+        timing = cut_slots_override(timing, os.environ.get("HOSTMOVE_CUT_SLOTS"))
         timing = probe_window_override(timing, os.environ.get("HOSTMOVE_PROBE_WINDOW_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))

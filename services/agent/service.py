@@ -106,6 +106,7 @@ from services.move.resolve import CLEAR_FAILED, decide_clear_failed_done
 from services.objstore.port import ObjectStore, StoreUnavailable
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
+from services.source.cutslots import slots_override
 from services.sweeper.generations import ChoresReport
 from services.sweeper.lanes import LaneProbeSweep
 from services.sweeper.straggler import StragglerSweep, SweepReport
@@ -250,6 +251,12 @@ def pass_workers_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_PASS_WORKERS``: how many hosts' passes a box runs at once (issue 19 item 3); unset keeps the
     profile's. Anything but a positive whole number is refused with the reason."""
     return replace(timing, pass_workers=workers_override(text, timing.pass_workers))
+
+
+def cut_slots_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_CUT_SLOTS``: how many cuts a source box carries at once (:mod:`services.source.cutslots`); unset
+    keeps the profile's. Anything but a positive whole number is refused with the reason."""
+    return replace(timing, move=replace(timing.move, cut_slots=slots_override(text, timing.move.cut_slots)))
 
 
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
@@ -1061,6 +1068,6 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
     return port if newer_than is None or session > newer_than else None
 
 
-__all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "cut_window_override",
-           "endpoint_path", "idle_override", "pass_workers_override", "prepare_override", "probe_window_override",
-           "read_endpoint", "scan_override"]
+__all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "cut_slots_override",
+           "cut_window_override", "endpoint_path", "idle_override", "pass_workers_override", "prepare_override",
+           "probe_window_override", "read_endpoint", "scan_override"]

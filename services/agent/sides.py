@@ -34,6 +34,7 @@ from services.move import rollback
 from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
+from services.source.cutslots import DEFAULT_SLOTS, CutSlots
 from services.source.phases import TimingProfile, lease_timing
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
 from services.source.return_install import ReturnInstall
@@ -67,6 +68,8 @@ class Timings:
     within_s: float = 120.0
     poll_s: float = 0.2
     max_passes: int = 60
+    cut_slots: int = DEFAULT_SLOTS
+    """How many cuts the source box carries at once (:mod:`services.source.cutslots`, ``HOSTMOVE_CUT_SLOTS``)."""
 
 
 FAST = Timings()
@@ -180,6 +183,8 @@ class SourceRunners:
         ctx = source.ctx
         ledger = deployment.door.ledger
         self.ledger = ledger
+        self.slots = CutSlots(timings.cut_slots, int((timings.source.cut_budget_s + timings.source.landing_budget_s)
+                                                     * 1000))
         self.prep = PreparingRunner(PreparingBox(
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
@@ -228,6 +233,15 @@ class SourceRunners:
 
     async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None) -> SideStep:
         move = record.move
+        now = self.side.ctx.clock.now_ms()
+        if stage not in ("cutting", "landing", "opening") or move is None:
+            self.slots.release(host)
+        elif stage == "cutting" and move.cut_phase == "requested":  # the cut's clock starts at its admission
+            busy = self.slots.take(host, now)
+            if busy is not None:
+                return SideStep(wait=busy, wake_at=now + int(self.t.poll_s * 1000))
+        else:
+            self.slots.hold(host, now)
         if stage == "preparing" and move is not None:
             result = await self.prep.run(host, move.id, move.incarnation)
             if result.step.kind == "blocked":
