@@ -189,6 +189,19 @@ async def assert_served_on_uk(w: AgentWorld, host: str, move_id: str, runner_dea
         agent_logs=[a.log for a in w.agents.values()])
     assert all(c.ok for c in shown), "\n".join(c.line() for c in shown) + where_acks_are(w, host)
     assert read_endpoint(w.box_dir("ie"), host) is None
+    await audited_clean(w, host)
+
+
+async def audited_clean(w: AgentWorld, host: str, timeout_s: float = 20.0) -> None:
+    """The audit of the host's history is clean, polled: a chore of the close (a park's acknowledgement) may have
+    CASed the claim and not published its event yet when the host already serves (the ledger publishes after the
+    CAS); an event that never comes still fails, at the deadline."""
+
+    async def clean() -> bool:
+        return (await run_audit(w.events, w.ledger, host=host)).clean(strict=True)
+
+    with contextlib.suppress(AssertionError):
+        await eventually(clean, f"a clean audit of {host}", timeout_s, every_s=0.5)
     audit = await run_audit(w.events, w.ledger, host=host)
     assert audit.clean(strict=True), [f.line() for f in audit.findings]
 
