@@ -25,18 +25,24 @@ WORKERS_ENV = "HOSTMOVE_PASS_WORKERS"
 T = TypeVar("T")
 
 
-def workers_override(text: str | None, default: int = DEFAULT_WORKERS) -> int:
-    """``HOSTMOVE_PASS_WORKERS``: how many hosts a box (or the recovery pass) passes at once; unset keeps
-    ``default``. Anything but a positive whole number is refused with the reason."""
+def whole_setting(name: str, text: str | None, default: int, what: str) -> int:
+    """The setting ``name`` as a positive whole number of ``what``; unset keeps ``default``. Anything else is refused
+    with the reason."""
     if text is None or not text.strip():
         return default
     try:
-        workers = int(text)
+        value = int(text)
     except ValueError:
-        workers = 0
-    if workers < 1:
-        raise ValueError(f"{WORKERS_ENV} must be a positive whole number of concurrent passes, not {text!r}")
-    return workers
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive whole number of {what}, not {text!r}")
+    return value
+
+
+def workers_override(text: str | None, default: int = DEFAULT_WORKERS) -> int:
+    """``HOSTMOVE_PASS_WORKERS``: how many hosts a box (or the recovery pass) passes at once; unset keeps
+    ``default``. Anything but a positive whole number is refused with the reason."""
+    return whole_setting(WORKERS_ENV, text, default, "concurrent passes")
 
 
 @dataclass
@@ -176,4 +182,4 @@ async def bounded(items: Iterable[T], workers: int, run: Callable[[T], Awaitable
         for task in running:
             task.cancel()
 
-__all__ = ["DEFAULT_WORKERS", "WORKERS_ENV", "PassPool", "PassSlots", "bounded", "workers_override"]
+__all__ = ["DEFAULT_WORKERS", "WORKERS_ENV", "PassPool", "PassSlots", "bounded", "whole_setting", "workers_override"]

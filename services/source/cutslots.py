@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from kernel.passes import whole_setting
+
 DEFAULT_SLOTS: Final = 4
 SLOTS_ENV: Final = "HOSTMOVE_CUT_SLOTS"
 
@@ -25,15 +27,7 @@ SLOTS_ENV: Final = "HOSTMOVE_CUT_SLOTS"
 def slots_override(text: str | None, default: int = DEFAULT_SLOTS) -> int:
     """``HOSTMOVE_CUT_SLOTS``: how many cuts a source box carries at once; unset keeps ``default``. Anything but a
     positive whole number is refused with the reason."""
-    if text is None or not text.strip():
-        return default
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = 0
-    if slots < 1:
-        raise ValueError(f"{SLOTS_ENV} must be a positive whole number of cuts a box carries at once, not {text!r}")
-    return slots
+    return whole_setting(SLOTS_ENV, text, default, "cuts a box carries at once")
 
 
 @dataclass
