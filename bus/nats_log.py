@@ -166,6 +166,8 @@ class NatsEventLog:
         self.disconnected_at: float | None = None  # monotonic, while the connection is down
         self.reconnects = 0
         self.last_error = ""  # the server's or the client's last error text (an authorization violation, say)
+        self.refused = False  # the server refused the first connect's credentials (authorization violation)
+        self._connecting: asyncio.Future[None] | None = None  # the first connect, while it runs
         self._on_reconnect: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._consumers = NatsConsumers(js)
@@ -208,27 +210,41 @@ class NatsEventLog:
         auth: dict[str, Any] = {}
         if creds is not None and creds.nats_seed:
             auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
+        who = f"the {creds.role} credentials" if creds is not None else "a connection without credentials"
+        refused = f"NATS at {url} refused {who} (authorization violation)"
+        connecting = asyncio.ensure_future(nc.connect(
+            server_urls(url), name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True, **auth,
+            max_reconnect_attempts=-1, reconnect_time_wait=max(1, int(cap)),
+            ping_interval=PING_INTERVAL_S, max_outstanding_pings=3,
+            reconnect_to_server_handler=events._next_server, disconnected_cb=events._disconnected,
+            reconnected_cb=events._reconnected, error_cb=events._error, closed_cb=events._closed,
+        ))
+        events._connecting = connecting
         try:
-            await asyncio.wait_for(nc.connect(
-                server_urls(url), name=name, connect_timeout=max(1, int(timeout)), allow_reconnect=True, **auth,
-                max_reconnect_attempts=-1, reconnect_time_wait=max(1, int(cap)),
-                ping_interval=PING_INTERVAL_S, max_outstanding_pings=3,
-                reconnect_to_server_handler=events._next_server, disconnected_cb=events._disconnected,
-                reconnected_cb=events._reconnected, error_cb=events._error, closed_cb=events._closed,
-            ), timeout * 2)
+            await asyncio.wait_for(asyncio.shield(connecting), timeout * 2)
+            events._connecting = None
             await ensure_streams(events.js, replicas=replicas)
+        except asyncio.CancelledError:
+            if not events.refused:
+                await events._abandon(connecting)
+                raise
+            await events._abandon(connecting)
+            return refused
         except _CONNECT_ERRORS as exc:
-            await events._abandon()
-            if "authorization violation" in f"{exc} {events.last_error}".lower():
-                who = f"the {creds.role} credentials" if creds is not None else "a connection without credentials"
-                return f"NATS at {url} refused {who} (authorization violation)"
+            await events._abandon(connecting)
+            if events.refused or "authorization violation" in str(exc).lower():
+                return refused
             return f"cannot reach NATS at {url}: {type(exc).__name__}"
         except BaseException:
             await events._abandon()
             raise
         return events
 
-    async def _abandon(self) -> None:
+    async def _abandon(self, connecting: asyncio.Future[None] | None = None) -> None:
+        self._connecting = None
+        if connecting is not None and not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
         try:
             await self.nc.close()
         except Exception:  # noqa: BLE001 - a client that never connected has nothing to flush
@@ -270,6 +286,11 @@ class NatsEventLog:
 
     async def _error(self, exc: Exception) -> None:
         self.last_error = str(exc)
+        if self._connecting is not None and "authorization violation" in self.last_error.lower():
+            # The first connect's refusal is final: nats-py would retry it for ever, and a later attempt's timeout
+            # would hide why (stop 28's CI: a refused stranger reported as "cannot reach NATS: TimeoutError").
+            self.refused = True
+            self._connecting.cancel()
         log.debug("NATS client error on %s: %s: %s", self.url, type(exc).__name__, exc)
 
     async def _closed(self) -> None:
