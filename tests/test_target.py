@@ -253,6 +253,17 @@ async def test_probe_window_boundary(k: int, ok: bool, reason: str | None) -> No
         assert not app.up and (k == 30 or T0 + k * 1000 > clock.now_ms()), "k=31: the environment is still unready"
 
 
+async def test_a_failed_attempt_names_the_window_and_settle_it_ran_under() -> None:
+    """The operator's sentence names the profile's own window (the fast profile's 6 s, not production's 30 s)."""
+    clock = ManualClock(T0)
+    res = await probe_attempt(EnvApp(clock, 60), clock, ProbeTiming(window_s=6, settle_s=0.5, max_starts=100,
+                                                                    first_backoff_s=1, backoff_factor=1, poll_s=1))
+    assert res.reason == "window_passed_before_start"
+    assert "the 6 s readiness window" in res.describe() and "30 s" not in res.describe()
+    starts = await probe_attempt(EnvApp(clock, 60), clock, ProbeTiming(max_starts=3, first_backoff_s=1, poll_s=1))
+    assert starts.reason == "starts_exhausted" and "failed to start 3 times" in starts.describe()
+
+
 @dataclass
 class SlowReady:
     """Answers readiness only after the request took ``delay_ms`` (the answer lands at the deadline)."""

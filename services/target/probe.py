@@ -93,18 +93,22 @@ class AttemptResult:
     starts: int
     detail: str = ""
     """The box's own words for a ``strict_refused`` attempt."""
+    timing: ProbeTiming = PRODUCTION
+    """The profile the attempt ran under: its sentence names the window and the settle it really had."""
 
     def describe(self) -> str:
         if self.ok:
             return "the probe passed"
         if self.reason == "strict_refused":
             return f"the box refused to start the app outside its cgroup: {self.detail}"
+        window, settle = f"{self.timing.window_s:g} s", f"{self.timing.settle_s:g} s"
         return {
-            "window_passed_before_start": "the 30 s readiness window ended before the app could be started again",
-            "deadline_unready": "the app did not answer its readiness path within the 30 s window",
-            "ready_after_deadline": "the app answered its readiness path only after the 30 s window had ended",
-            "starts_exhausted": "the app failed to start five times",
-            "settle_exited": "the app exited during the 20 s settle",
+            "window_passed_before_start": f"the {window} readiness window ended before the app could be started "
+                                          "again",
+            "deadline_unready": f"the app did not answer its readiness path within the {window} window",
+            "ready_after_deadline": f"the app answered its readiness path only after the {window} window had ended",
+            "starts_exhausted": f"the app failed to start {self.timing.max_starts} times",
+            "settle_exited": f"the app exited during the {settle} settle",
             "second_request_failed": "the app stopped answering its readiness path after the settle",
             "cut_deadline": "the cut deadline would pass before the probe could finish",
             "strict_refused": "the box refused to start the app outside its cgroup",
@@ -139,7 +143,7 @@ async def probe_attempt(
     wait = timing.first_backoff_s
 
     def fail(reason: FailReason, ready_at: int | None = None, detail: str = "") -> AttemptResult:
-        return AttemptResult(False, reason, first, deadline, ready_at, starts, detail)
+        return AttemptResult(False, reason, first, deadline, ready_at, starts, detail, timing)
 
     while starts < timing.max_starts:
         now = clock.now_ms()
@@ -184,15 +188,15 @@ async def _settle(
 ) -> AttemptResult:
     if hard_deadline_ms is not None and clock.now_ms() + round(timing.settle_s * 1000) > hard_deadline_ms:
         await app.stop()
-        return AttemptResult(False, "cut_deadline", first, deadline, ready_at, starts)
+        return AttemptResult(False, "cut_deadline", first, deadline, ready_at, starts, timing=timing)
     await clock.sleep(timing.settle_s)
     if not await app.running():
         await app.stop()
-        return AttemptResult(False, "settle_exited", first, deadline, ready_at, starts)
+        return AttemptResult(False, "settle_exited", first, deadline, ready_at, starts, timing=timing)
     if not await app.ready():
         await app.stop()
-        return AttemptResult(False, "second_request_failed", first, deadline, ready_at, starts)
-    return AttemptResult(True, None, first, deadline, ready_at, starts)
+        return AttemptResult(False, "second_request_failed", first, deadline, ready_at, starts, timing=timing)
+    return AttemptResult(True, None, first, deadline, ready_at, starts, timing=timing)
 
 
 async def run_probe(
