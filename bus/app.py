@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
-from nats.js.api import ConsumerConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.subjects import FACTS_STREAM, alert_subject
 from kernel import metrics
@@ -47,6 +47,11 @@ class RedeliveryPolicy:
 @dataclass(frozen=True)
 class Nack:
     delay_s: float
+
+
+class DependencyDown(Exception):
+    """A handler's dependency (S3, NATS) is unavailable: the message waits for it, redelivered after the longest
+    backoff and never made a poison alert (an outage is its own error, not the message's fault)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentia
     if creds is not None and creds.nats_seed:
         auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
     servers = [u.strip() for u in nats_url.split(",") if u.strip()]  # a cluster's URLs (issue 19 item 4)
-    return NatsBroker(servers, name=name, connect_timeout=5, **auth)
+    # Reconnect for ever on the capped wait (a good daemon; FastStream's default gives up after 60 attempts).
+    return NatsBroker(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=2, **auth)
 
 
 def subscribe(
@@ -100,8 +106,13 @@ def subscribe(
     durable: str,
     handler: Handler,
     policy: RedeliveryPolicy | None = None,
+    max_workers: int = 1,
+    deliver_new: bool = False,
 ) -> Any:
-    """Register ``handler`` on a durable pull consumer with manual acks and bounded redelivery."""
+    """Register ``handler`` on a durable pull consumer with manual acks and bounded redelivery. ``max_workers``
+    handles that many messages at once (the handler serializes what must be); ``deliver_new`` makes a consumer
+    created for the first time start at the stream's end, not replay its history (a wake-up consumer beside a
+    backstop: what happened before the service first ran is the backstop's)."""
     pol = policy or RedeliveryPolicy()
 
     async def _deliver(body: bytes, msg: NatsMessage) -> None:
@@ -113,6 +124,11 @@ def subscribe(
         metrics.CONSUMER_PENDING.labels(durable=durable).set(md.num_pending)
         try:
             await handler(body, dict(msg.headers or {}))
+        except DependencyDown as exc:
+            log.warning("%s: %s waits for a dependency: %s", service, raw.subject, _describe(exc),
+                        extra=ctx(phase="deliver", reason=_describe(exc), subscriber=service, subject=raw.subject))
+            await msg.nack(delay=pol.max_backoff_s)
+            return
         except Exception as exc:  # noqa: BLE001 - every failure is handled below, never terms
             action = on_failure(md.num_delivered, pol)
             log.warning("%s: handler failed on %s (delivery %d): %s", service, raw.subject, md.num_delivered,
@@ -145,6 +161,15 @@ def subscribe(
         stream=JStream(name=stream, declare=False),
         durable=durable,
         pull_sub=PullSub(batch_size=1, timeout=1.0),
-        config=ConsumerConfig(ack_wait=pol.ack_wait_s, max_deliver=-1),
+        config=ConsumerConfig(ack_wait=pol.ack_wait_s, max_deliver=-1,
+                              deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL),
         ack_policy=AckPolicy.MANUAL,
+        max_workers=max_workers,
+        decoder=_raw_body,
     )(_deliver)
+
+
+async def _raw_body(msg: Any) -> bytes:
+    """The message's bytes as published: FastStream's own decoder parses a JSON body, which ``bytes`` then refuses
+    (the ledger's events are JSON); the handler decodes its own type."""
+    return bytes(msg.body)

@@ -26,6 +26,8 @@ WORK_STREAM = "HM_WORK"
 WORK_PREFIX = "hm.work"
 """``hm.work.<box>.<host>`` on ``HM_WORK`` (issue 19 item 1): a work notice, one per transition and box it concerns,
 the newest only per subject (a per-box index of the hosts with news); a box's durable consumer takes its own."""
+RECOVERY_DURABLE = "recovery"
+"""The console recovery's durable consumer of ``HM_LEDGER`` (issue 19 item 1, :mod:`services.recovery.consumer`)."""
 LEDGER_SUBJECTS = [f"{LEDGER_PREFIX}.>"]
 FACTS_SUBJECTS = [f"{FACT_PREFIX}.>", f"{ALERT_PREFIX}.>"]
 WORK_SUBJECTS = [f"{WORK_PREFIX}.*.*"]

@@ -32,7 +32,8 @@ publish (nats-server issue 8274, open on 2.15): it cannot forge a body, and the 
 A box learns of work from its own durable consumer on ``HM_WORK`` (``box-<label>``): it may fetch and acknowledge
 that consumer only, but the legacy durable-create API it declares it with carries no filter in its subject, so a box
 could give its consumer another box's filter and read which hosts have news there (host names, no bodies); it
-subscribes to no ledger subject.
+subscribes to no ledger subject. The console's recovery takes every transition from its own durable consumer on
+``HM_LEDGER`` (``recovery``), with the same grant: fetch and acknowledge that consumer only.
 
 **S3** (:func:`s3_policy`): each role but ``admin`` is an IAM user with one inline policy, the same JSON for AWS
 (``examples/iam/``) and for SeaweedFS's embedded IAM (which evaluates resource ARNs with key prefixes and the
@@ -67,6 +68,7 @@ from bus.subjects import (
     FACTS_STREAM,
     LEDGER_PREFIX,
     LEDGER_STREAM,
+    RECOVERY_DURABLE,
     WORK_PREFIX,
     WORK_STREAM,
     box_durable,
@@ -149,6 +151,7 @@ def nats_permissions(role: str) -> dict[str, Any] | None:
     if role == CONSOLE:
         return {"publish": {"allow": [*LEDGER_PUBLISH, *FACTS_PUBLISH, f"{ALERT_PREFIX}.>",
                                       *_js_read(LEDGER_STREAM, FACTS_STREAM, WORK_STREAM),
+                                      *_js_durable(LEDGER_STREAM, RECOVERY_DURABLE),
                                       f"$JS.API.STREAM.CREATE.{LEDGER_STREAM}",
                                       f"$JS.API.STREAM.CREATE.{FACTS_STREAM}",
                                       f"$JS.API.STREAM.CREATE.{WORK_STREAM}"],

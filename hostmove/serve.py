@@ -35,7 +35,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from bus.log import LogError, LogUnavailable
 from hostmove.health import Health, health_address
@@ -43,6 +43,9 @@ from hostmove.logs import add_secret, configure_service
 from hostmove.runtime import Runtime, Settings, nats_check, open_runtime, s3_check
 from kernel.logctx import ctx
 from services.objstore.port import StoreError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from services.recovery.recovery import RecoveryPass
 
 log = logging.getLogger("hostmove.serve")
 
@@ -188,8 +191,10 @@ RECOVERY_INTERVAL_S = 5.0
 async def _recovery(rt: Runtime, stop: asyncio.Event) -> int:
     import os
 
+    from bus.subjects import RECOVERY_DURABLE
     from kernel.passes import WORKERS_ENV, workers_override
     from services.move.park import FAST, PRODUCTION
+    from services.recovery.consumer import log_report
     from services.recovery.recovery import FAST_HISTORY_EVERY_MS, HISTORY_EVERY_MS, RecoveryPass
 
     try:
@@ -200,25 +205,57 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> int:
     fast = os.environ.get("HOSTMOVE_PROFILE", "fast" if rt.settings.local else "production") == "fast"
     recovery = RecoveryPass(rt.ledger, rt.events, park_timing=FAST if fast else PRODUCTION,  # H of the history
                             history_every_ms=FAST_HISTORY_EVERY_MS if fast else HISTORY_EVERY_MS, workers=workers)
-    log.info("recovery: a recovery pass every %g s", RECOVERY_INTERVAL_S, extra=ctx(phase="recovery"))
+    log.info("recovery: every transition from the durable consumer %s, and a backstop pass every %g s",
+             RECOVERY_DURABLE, RECOVERY_INTERVAL_S, extra=ctx(phase="recovery", durable=RECOVERY_DURABLE))
+    consumer = asyncio.ensure_future(_recovery_consumer(rt, recovery, workers, stop))
     pace = _Pace("recovery", RECOVERY_INTERVAL_S, stop, rt)
-    while not stop.is_set():
-        try:
-            report = await recovery.run_once()
-        except (LogUnavailable, StoreError) as exc:  # run_once reports outages itself; this is the belt
-            pace.outage(_dependency(exc), exc)
+    try:
+        while not stop.is_set():
+            try:
+                report = await recovery.run_once()
+            except (LogUnavailable, StoreError) as exc:  # run_once reports outages itself; this is the belt
+                pace.outage(_dependency(exc), exc)
+                await pace.sleep()
+                continue
+            log_report(report)
+            if report.unavailable is not None:
+                pace.outage(*report.unavailable)
+            else:
+                pace.passed()
             await pace.sleep()
-            continue
-        for line in report.claim_halves + report.records_finished:
-            log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
-        for line in report.errors:
-            log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
-        if report.unavailable is not None:
-            pace.outage(*report.unavailable)
-        else:
-            pace.passed()
-        await pace.sleep()
+    finally:
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
     return 0
+
+
+async def _recovery_consumer(rt: Runtime, recovery: RecoveryPass, workers: int, stop: asyncio.Event) -> None:
+    """The recovery's ledger consumer (:mod:`services.recovery.consumer`), started again on the capped backoff
+    while it cannot start (the pass stands in meanwhile), stopped with the service."""
+    from bus.nats_log import reconnect_delay
+    from bus.subjects import RECOVERY_DURABLE
+    from services.recovery.consumer import ledger_consumer
+
+    attempt = 0
+    while not stop.is_set():
+        broker = ledger_consumer(rt.settings.nats_url, recovery, workers=workers)
+        try:
+            await broker.start()
+        except Exception as exc:  # noqa: BLE001 - a consumer that cannot start leaves the backstop pass working
+            log.warning("recovery: the ledger consumer did not start (%s: %s); the pass stands in, again soon",
+                        type(exc).__name__, exc, extra=ctx(phase="recovery", reason=exc, durable=RECOVERY_DURABLE))
+            with contextlib.suppress(Exception):
+                await broker.stop()
+            await asyncio.sleep(reconnect_delay(attempt))
+            attempt += 1
+            continue
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await broker.stop()
+        return
 
 
 async def _door(rt: Runtime, stop: asyncio.Event, port: int) -> None:

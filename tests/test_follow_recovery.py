@@ -201,3 +201,50 @@ async def test_recovery_finishes_a_door_request_that_crashed_between_claim_and_r
     rec = (await ledger.read_record(host)).state
     claim = (await ledger.read_claim(host)).state
     assert rec is not None and rec.move is not None and claim is not None and rec.move.id == claim.op.id
+
+
+async def _until(what: str, check: Callable[[], object], deadline_s: float = 30.0) -> None:
+    import asyncio
+    import time
+
+    end = time.monotonic() + deadline_s
+    while not await check():  # type: ignore[misc]
+        assert time.monotonic() < end, f"not within {deadline_s:g} s: {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_recovery_takes_each_transition_from_its_durable_consumer_across_restarts(
+    parts: tuple[S3Store, NatsEventLog, str], stack: StackInfo, unique: Callable[[str], str]
+) -> None:
+    """Issue 19 item 1: no pass runs; each record flip is followed from the ledger consumer, the ones published
+    while the consumer was stopped once it starts again, twice in a row (a restart, then another)."""
+    from services.recovery.consumer import ledger_consumer
+
+    store, events, bucket = parts
+    ledger = Ledger(store, events, ManualClock(start_ms=1_000), Actor(service="recovery", pid=3, nonce="c"), bucket)
+    recovery = RecoveryPass(ledger, events)
+    durable = unique("recovery")
+
+    async def followed(host: str) -> bool:
+        claim = (await ledger.read_claim(host)).state
+        return claim is not None and claim.op.kind == "landing"
+
+    broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
+    await broker.start()
+    try:
+        live = f"{unique('live')}.example.com"
+        await put(ledger, "claim", moving_claim(live))
+        await put(ledger, "record", record(live, **FLIPPED))
+        await _until(f"{live} followed while the consumer runs", lambda: followed(live))
+        for restart in range(2):
+            await broker.stop()
+            missed = f"{unique(f'missed{restart}')}.example.com"
+            await put(ledger, "claim", moving_claim(missed))
+            await put(ledger, "record", record(missed, **FLIPPED))
+            assert not await followed(missed), "nothing follows while the consumer is stopped"
+            broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
+            await broker.start()
+            await _until(f"{missed} followed after restart {restart + 1}", lambda h=missed: followed(h))  # type: ignore[misc]
+    finally:
+        await broker.stop()
+        await events.js.delete_consumer("HM_LEDGER", durable)

@@ -32,6 +32,7 @@ passed over, as any read error).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from urllib.parse import unquote
@@ -79,11 +80,11 @@ log = logging.getLogger("hostmove.recovery")
 
 RECORDS_PREFIX = "control/records/"
 UNAVAILABLE_IN_A_ROW = 3
+"""Hosts in a row S3 did not answer for before a pass counts the store as down and stops."""
 HISTORY_EVERY_MS = 60_000
 """How often a host's claim and record history is looked at (two version listings)."""
 FAST_HISTORY_EVERY_MS = 5_000
 """The same in the fast profile (tests, benchmarks)."""
-"""Hosts in a row S3 did not answer for before a pass counts the store as down and stops."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,26 @@ class RecoveryPass:
         self._alerted: set[tuple[str, str]] = set()
         self._roster: Roster | None = None
         self._fenced: frozenset[str] = frozenset()
+        self._locks: dict[str, asyncio.Lock] = {}
+        """One look at a host at a time, the pass's or the ledger consumer's (:meth:`host`)."""
+
+    def _lock(self, host: str) -> asyncio.Lock:
+        return self._locks.setdefault(host, asyncio.Lock())
+
+    async def host(self, host: str) -> PassReport:
+        """Look at one host now, as the pass does, with the roster the last pass read (issue 19 item 1: the ledger
+        consumer's wake-up, :mod:`services.recovery.consumer`). An outage raises (:class:`~bus.log.LogUnavailable`,
+        :class:`~services.objstore.port.StoreUnavailable`): the caller waits for the dependency. A read error is
+        reported and never acted on (C6)."""
+        report = PassReport(hosts=1)
+        try:
+            async with self._lock(host):
+                await self._host(host, report)
+        except (LogUnavailable, StoreUnavailable):
+            raise
+        except (DurableValueError, StoreError, LogError) as exc:
+            report.errors.append(f"{host}: {exc}")
+        return report
 
     async def hosts(self) -> list[str]:
         keys = await self.ledger.store.list_keys(self.ledger.bucket, RECORDS_PREFIX)
@@ -170,7 +191,8 @@ class RecoveryPass:
             nonlocal in_a_row
             report.hosts += 1
             try:
-                await self._host(host, report)
+                async with self._lock(host):
+                    await self._host(host, report)
                 in_a_row = 0
             except LogUnavailable as exc:  # no transition can be published: the pass stops here
                 report.unavailable = report.unavailable or ("nats", f"{host}: {exc}")

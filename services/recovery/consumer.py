@@ -1,0 +1,73 @@
+"""The recovery's ledger consumer (issue 19 item 1; ARCHITECTURE §5): every transition wakes the recovery for its
+host at once, from a JetStream durable pull consumer (``recovery`` on ``HM_LEDGER``, FastStream with the ack policy
+of :mod:`bus.app`), so a restarted recovery resumes at its consumer's ack floor and an event published while it was
+down still wakes it.
+
+An event is only a wake-up: :meth:`~services.recovery.recovery.RecoveryPass.host` reads the claim and the record
+again and decides from them, as the pass does. The periodic pass stays as the backstop (a missed event is always
+possible, and deadlines pass without any event); the consumer starts at the stream's end the first time it is
+created, since what happened before is the backstop's. An outage makes the message wait for the dependency
+(:class:`~bus.app.DependencyDown`), never a poison alert; a body that names no host is logged and acknowledged, the
+backstop standing in for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import msgspec
+from faststream.nats import NatsBroker
+
+from bus.app import DependencyDown, Handler, make_broker, subscribe
+from bus.log import LogUnavailable
+from bus.subjects import LEDGER_PREFIX, LEDGER_STREAM, RECOVERY_DURABLE
+from kernel.logctx import ctx
+from services.objstore.port import StoreUnavailable
+from services.recovery.recovery import PassReport, RecoveryPass
+
+log = logging.getLogger("hostmove.recovery")
+
+
+class _Named(msgspec.Struct):
+    """The one field a wake-up needs of a transition's envelope (:class:`events.envelope.Transition`)."""
+
+    host: str
+
+
+def log_report(report: PassReport) -> None:
+    """What a look at the hosts wrote and could not settle, one line each."""
+    for line in report.claim_halves + report.records_finished:
+        log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
+    for line in report.errors:
+        log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
+
+
+def ledger_handler(recovery: RecoveryPass) -> Handler:
+    """The handler of one ledger transition: its host, looked at now."""
+
+    async def handle(body: bytes, _headers: Mapping[str, str]) -> None:
+        try:
+            host = msgspec.json.decode(body, type=_Named).host
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("recovery: a ledger message names no host (%s); the pass stands in for it", exc,
+                        extra=ctx(phase="recovery", reason=exc))
+            return
+        try:
+            report = await recovery.host(host)
+        except (LogUnavailable, StoreUnavailable) as exc:
+            raise DependencyDown(str(exc)) from exc
+        log_report(report)
+
+    return handle
+
+
+def ledger_consumer(nats_url: str, recovery: RecoveryPass, *, workers: int,
+                    durable: str = RECOVERY_DURABLE) -> NatsBroker:
+    """A broker (not started) whose durable subscriber wakes ``recovery`` for each transition, ``workers`` at once
+    (the recovery's lock keeps one look per host at a time). One deployment has one ``durable``: recoveries that
+    share it share its messages."""
+    broker = make_broker(nats_url, name="hostmove-recovery-consumer")
+    subscribe(broker, service="recovery", subject=f"{LEDGER_PREFIX}.>", stream=LEDGER_STREAM,
+              durable=durable, handler=ledger_handler(recovery), max_workers=workers, deliver_new=True)
+    return broker
