@@ -15,6 +15,7 @@ An event is only a wake-up; handlers re-read the authority (ARCHITECTURE §5).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -108,11 +109,15 @@ def subscribe(
     policy: RedeliveryPolicy | None = None,
     max_workers: int = 1,
     deliver_new: bool = False,
+    settle_s: float = 0.0,
 ) -> Any:
     """Register ``handler`` on a durable pull consumer with manual acks and bounded redelivery. ``max_workers``
     handles that many messages at once (the handler serializes what must be); ``deliver_new`` makes a consumer
     created for the first time start at the stream's end, not replay its history (a wake-up consumer beside a
-    backstop: what happened before the service first ran is the backstop's)."""
+    backstop: what happened before the service first ran is the backstop's). ``settle_s``: a message younger than
+    this (by the stream's timestamp) is redelivered once it is that old, so the writer that published it has
+    finished the step it was in (a recovery looks at what a live actor left owed, never races it); that delivery
+    counts towards ``max_deliver``."""
     pol = policy or RedeliveryPolicy()
 
     async def _deliver(body: bytes, msg: NatsMessage) -> None:
@@ -122,6 +127,10 @@ def subscribe(
         if md.num_delivered > 1:
             metrics.CONSUMER_REDELIVERIES.labels(durable=durable).inc()
         metrics.CONSUMER_PENDING.labels(durable=durable).set(md.num_pending)
+        young = settle_s - (time.time() - md.timestamp.timestamp()) if settle_s > 0 else 0.0
+        if young > 0:
+            await msg.nack(delay=young)
+            return
         try:
             await handler(body, dict(msg.headers or {}))
         except DependencyDown as exc:

@@ -218,7 +218,9 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
 ) -> None:
     """Issue 19 item 1: no pass runs; each record flip is followed from the ledger consumer, the ones published
     while the consumer was stopped once it starts again, twice in a row (a restart, then another)."""
-    from services.recovery.consumer import ledger_consumer
+    import asyncio
+
+    from services.recovery.consumer import SETTLE_S, ledger_consumer
 
     store, events, bucket = parts
     ledger = Ledger(store, events, ManualClock(start_ms=1_000), Actor(service="recovery", pid=3, nonce="c"), bucket)
@@ -235,6 +237,8 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
         live = f"{unique('live')}.example.com"
         await put(ledger, "claim", moving_claim(live))
         await put(ledger, "record", record(live, **FLIPPED))
+        await asyncio.sleep(SETTLE_S / 4)  # an absence: a live writer gets SETTLE_S to write its own claim half
+        assert not await followed(live), "the recovery raced the writer: it follows only a settled transition"
         await _until(f"{live} followed while the consumer runs", lambda: followed(live))
         for restart in range(2):
             await broker.stop()

@@ -6,7 +6,8 @@ down still wakes it.
 An event is only a wake-up: :meth:`~services.recovery.recovery.RecoveryPass.host` reads the claim and the record
 again and decides from them, as the pass does. The periodic pass stays as the backstop (a missed event is always
 possible, and deadlines pass without any event); the consumer starts at the stream's end the first time it is
-created, since what happened before is the backstop's. An outage makes the message wait for the dependency
+created, since what happened before is the backstop's, and looks only once a transition is :data:`SETTLE_S` old.
+An outage makes the message wait for the dependency
 (:class:`~bus.app.DependencyDown`), never a poison alert; a body that names no host is logged and acknowledged, the
 backstop standing in for it.
 """
@@ -27,6 +28,11 @@ from services.objstore.port import StoreUnavailable
 from services.recovery.recovery import PassReport, RecoveryPass
 
 log = logging.getLogger("hostmove.recovery")
+
+SETTLE_S = 2.0
+"""How old a transition is before the recovery looks at its host: the agent that wrote a record's half writes the
+claim's within milliseconds, so the recovery follows only what a crash left owed and never races a live writer
+(an auditor reads ``causation: recovery`` as a recovery, not as routine work)."""
 
 
 class _Named(msgspec.Struct):
@@ -69,5 +75,6 @@ def ledger_consumer(nats_url: str, recovery: RecoveryPass, *, workers: int,
     share it share its messages."""
     broker = make_broker(nats_url, name="hostmove-recovery-consumer")
     subscribe(broker, service="recovery", subject=f"{LEDGER_PREFIX}.>", stream=LEDGER_STREAM,
-              durable=durable, handler=ledger_handler(recovery), max_workers=workers, deliver_new=True)
+              durable=durable, handler=ledger_handler(recovery), max_workers=workers, deliver_new=True,
+              settle_s=SETTLE_S)
     return broker
