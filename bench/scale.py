@@ -27,7 +27,7 @@ window (``cut-stopping`` to the record's ``opened_at``, as ``bench/move``) is th
 The RESULT is part (b)'s (the issue's): ``RESULT scale ratio=<slowest concurrent offline / lone offline>
 target=3``; part (a) prints its own line above it (``part (a): ... ratio=<worse box's requests per period per
 host> target=1.5``, not a RESULT line). The bench exits 1 when either misses, or a move does not end ``done``
-within its budget. ``SCALE_PART=a`` or ``b`` runs one part.
+within its budget. ``SCALE_PART=a`` or ``b`` runs one part; ``SCALE_CUT_SLOTS`` sets part (b)'s agents' cut slots.
 """
 
 from __future__ import annotations
@@ -220,17 +220,25 @@ async def done(w: AgentWorld, host: str, move_id: str, timeout_s: float) -> Move
             and t.record.move.id == move_id]
     mine = [t.record.move for t in ours if t.record is not None and t.record.move is not None]
     budgets = [m.cut_budget_s for m in mine if m.cut_budget_s]
-    why = next((m.rollback.reason for m in mine if m.rollback is not None), "")
+    why = next((m.rollback.reason for m in mine if m.rollback is not None), "") \
+        or next((f"{m.state}/{m.cut_phase or '-'}: {m.reason}" for m in reversed(mine) if m.reason), "")
     outcome = record.last_move.outcome
     offline = offline_window_s(ours) if outcome == "done" else float("nan")
     return Moved(host, outcome, offline, budgets[-1] if budgets else float("nan"), why)
+
+
+def slots_env() -> dict[str, str]:
+    """``SCALE_CUT_SLOTS``, when set, is the agents' ``HOSTMOVE_CUT_SLOTS`` (a service's environment keeps no
+    ``HOSTMOVE_*`` setting of this process's, :func:`hostmove.procs.service_env`)."""
+    slots = os.environ.get("SCALE_CUT_SLOTS", "")
+    return {"HOSTMOVE_CUT_SLOTS": slots} if slots else {}
 
 
 async def concurrent(info: StackInfo, root: Path, moves: int, rows: int) -> tuple[float, bool]:
     """Part (b): ``(slowest concurrent offline / lone offline, every move done within its budget)``."""
     unique: Callable[[str], str] = unique_names()  # type: ignore[assignment]
     async with data_buckets(info, unique, "scalemv") as (store, events, prefix), \
-            agent_world(info, unique, root, prefix, store=store, events=events) as w:
+            agent_world(info, unique, root, prefix, store=store, events=events, agent_env=slots_env()) as w:
         hosts = [f"scalemv-{i:02d}.example.com" for i in range(moves + 1)]
         rng, t0 = SystemRandom(), time.monotonic()
         for host in hosts:

@@ -15,9 +15,12 @@ def test_a_cut_beyond_the_slots_waits_until_one_frees() -> None:
     why = slots.take("c", 5)
     assert why is not None and "2 cuts already" in why and "keeps serving" in why
     assert slots.take("a", 6) is None, "a cut that holds its slot is admitted again (a replayed admission)"
-    slots.release("a")
+    assert slots.release("a") == ("c",), "a freed slot names the cut waiting for it, to be woken"
+    assert slots.release("a") == (), "releasing what holds no slot wakes nobody"
     assert slots.take("c", 7) is None
     assert slots.take("a", 8) is not None, "released, the slot went to the waiting cut"
+    assert slots.release("b") == ("a",) and slots.take("a", 9) is None
+    assert slots.release("c") == (), "nobody waits any more"
 
 
 def test_a_restarted_box_holds_the_slots_of_the_cuts_in_flight_and_gives_up_stale_ones() -> None:

@@ -344,6 +344,7 @@ class BoxAgent:
                 journal_dir=cfg.box_dir / ".moves", budget=self.timing.budget)
             facts = self.observer.facts
         self.target = TargetRunners(deployment, TargetSide(self.landing, facts), self.timing.move, faults=faults)
+        self.source.wake = self.notify  # a freed cut slot wakes the cuts waiting for it
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
             retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))

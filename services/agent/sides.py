@@ -173,6 +173,10 @@ def _finalizing_id(record: Record) -> str:
     return record.last_move.id if record.last_move is not None else ""
 
 
+SLOT_RECHECK_MS = 2_000
+"""A cut waiting for a slot is woken when one frees; this is its pass's backstop (a slot given up as stale)."""
+
+
 class SourceRunners:
     """The source box's side of its moves: preparing rounds, the cut and the claim's follow of the flip, and
     the source's park."""
@@ -185,6 +189,8 @@ class SourceRunners:
         self.ledger = ledger
         self.slots = CutSlots(timings.cut_slots, int((timings.source.cut_budget_s + timings.source.landing_budget_s)
                                                      * 1000))
+        self.wake: Callable[[str], None] | None = None
+        """The agent's :meth:`~services.agent.service.BoxAgent.notify`: a host's pass, now."""
         self.prep = PreparingRunner(PreparingBox(
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
@@ -235,11 +241,13 @@ class SourceRunners:
         move = record.move
         now = self.side.ctx.clock.now_ms()
         if stage not in ("cutting", "landing", "opening") or move is None:
-            self.slots.release(host)
+            for waiting in self.slots.release(host):  # a slot freed: the cuts waiting for one, now
+                if self.wake is not None:
+                    self.wake(waiting)
         elif stage == "cutting" and move.cut_phase == "requested":  # the cut's clock starts at its admission
             busy = self.slots.take(host, now)
-            if busy is not None:
-                return SideStep(wait=busy, wake_at=now + int(self.t.poll_s * 1000))
+            if busy is not None:  # woken when a slot frees; looked at again after SLOT_RECHECK_MS regardless
+                return SideStep(wait=busy, wake_at=now + SLOT_RECHECK_MS)
         else:
             self.slots.hold(host, now)
         if stage == "preparing" and move is not None:
