@@ -95,7 +95,9 @@ def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentia
         auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
     servers = [u.strip() for u in nats_url.split(",") if u.strip()]  # a cluster's URLs (issue 19 item 4)
     # Reconnect for ever on the capped wait (a good daemon; FastStream's default gives up after 60 attempts).
-    return NatsBroker(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=2, **auth)
+    # Its lines go through this process's JSON handler (FastStream's own logger prints coloured text).
+    return NatsBroker(servers, name=name, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=2,
+                      logger=logging.getLogger("hostmove.bus.faststream"), **auth)
 
 
 def subscribe(

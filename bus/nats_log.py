@@ -152,6 +152,11 @@ async def _accepts(addresses: list[tuple[str, int]], timeout: float) -> bool:
     return False
 
 
+def _refusal(text: str) -> bool:
+    """The server refused the connection's credentials (its error text)."""
+    return "authorization violation" in text.lower()
+
+
 class NatsEventLog:
     """The event log over a live JetStream connection. ``connect()`` also declares the streams."""
 
@@ -224,19 +229,18 @@ class NatsEventLog:
             await asyncio.wait_for(asyncio.shield(connecting), timeout * 2)
             events._connecting = None
             await ensure_streams(events.js, replicas=replicas)
-        except asyncio.CancelledError:
-            if not events.refused:
-                await events._abandon(connecting)
-                raise
+        except asyncio.CancelledError:  # ours (:meth:`_error` ended a refused connect) or the caller's
             await events._abandon(connecting)
+            if not events.refused:
+                raise
             return refused
         except _CONNECT_ERRORS as exc:
             await events._abandon(connecting)
-            if events.refused or "authorization violation" in str(exc).lower():
+            if events.refused or _refusal(str(exc)):
                 return refused
             return f"cannot reach NATS at {url}: {type(exc).__name__}"
         except BaseException:
-            await events._abandon()
+            await events._abandon(connecting)
             raise
         return events
 
@@ -286,7 +290,7 @@ class NatsEventLog:
 
     async def _error(self, exc: Exception) -> None:
         self.last_error = str(exc)
-        if self._connecting is not None and "authorization violation" in self.last_error.lower():
+        if self._connecting is not None and _refusal(self.last_error):
             # The first connect's refusal is final: nats-py would retry it for ever, and a later attempt's timeout
             # would hide why (stop 28's CI: a refused stranger reported as "cannot reach NATS: TimeoutError").
             self.refused = True

@@ -194,8 +194,7 @@ async def _recovery(rt: Runtime, stop: asyncio.Event) -> int:
     from bus.subjects import RECOVERY_DURABLE
     from kernel.passes import WORKERS_ENV, workers_override
     from services.move.park import FAST, PRODUCTION
-    from services.recovery.consumer import log_report
-    from services.recovery.recovery import FAST_HISTORY_EVERY_MS, HISTORY_EVERY_MS, RecoveryPass
+    from services.recovery.recovery import FAST_HISTORY_EVERY_MS, HISTORY_EVERY_MS, RecoveryPass, log_report
 
     try:
         workers = workers_override(os.environ.get(WORKERS_ENV))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import pytest
@@ -203,16 +203,6 @@ async def test_recovery_finishes_a_door_request_that_crashed_between_claim_and_r
     assert rec is not None and rec.move is not None and claim is not None and rec.move.id == claim.op.id
 
 
-async def _until(what: str, check: Callable[[], object], deadline_s: float = 30.0) -> None:
-    import asyncio
-    import time
-
-    end = time.monotonic() + deadline_s
-    while not await check():  # type: ignore[misc]
-        assert time.monotonic() < end, f"not within {deadline_s:g} s: {what}"
-        await asyncio.sleep(0.1)
-
-
 async def test_the_recovery_takes_each_transition_from_its_durable_consumer_across_restarts(
     parts: tuple[S3Store, NatsEventLog, str], stack: StackInfo, unique: Callable[[str], str]
 ) -> None:
@@ -221,6 +211,7 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
     import asyncio
 
     from services.recovery.consumer import SETTLE_S, ledger_consumer
+    from tests.helpers.agents import eventually
 
     store, events, bucket = parts
     ledger = Ledger(store, events, ManualClock(start_ms=1_000), Actor(service="recovery", pid=3, nonce="c"), bucket)
@@ -231,6 +222,9 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
         claim = (await ledger.read_claim(host)).state
         return claim is not None and claim.op.kind == "landing"
 
+    def follows(host: str) -> Callable[[], Awaitable[bool]]:
+        return lambda: followed(host)
+
     broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
     await broker.start()
     try:
@@ -239,7 +233,7 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
         await put(ledger, "record", record(live, **FLIPPED))
         await asyncio.sleep(SETTLE_S / 4)  # an absence: a live writer gets SETTLE_S to write its own claim half
         assert not await followed(live), "the recovery raced the writer: it follows only a settled transition"
-        await _until(f"{live} followed while the consumer runs", lambda: followed(live))
+        await eventually(follows(live), f"{live} followed while the consumer runs", 30)
         for restart in range(2):
             await broker.stop()
             missed = f"{unique(f'missed{restart}')}.example.com"
@@ -248,7 +242,7 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
             assert not await followed(missed), "nothing follows while the consumer is stopped"
             broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
             await broker.start()
-            await _until(f"{missed} followed after restart {restart + 1}", lambda h=missed: followed(h))  # type: ignore[misc]
+            await eventually(follows(missed), f"{missed} followed after restart {restart + 1}", 30)
     finally:
         await broker.stop()
         await events.js.delete_consumer("HM_LEDGER", durable)

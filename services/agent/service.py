@@ -326,7 +326,7 @@ class BoxAgent:
             ctx=self.ctx, activator=self.activator, timers=self.timers, secrets_key=key,
             launch=self.apps.launch if self.apps is not None else sample_launch,
             ready_url=self._ready_url, recovery_policy=self.timing.recovery,
-            ready_peer=self._ready_peer), self.timing.move, faults=faults)
+            ready_peer=self._ready_peer), self.timing.move, faults=faults, wake=self.notify)
         facts: BoxFacts | Callable[[str], Awaitable[BoxFacts]] = embedded_facts(cfg.label, key)
         if self.apps is None and rates is not None:  # a fixed app's composition with rates of its own (the sim)
             fixed, measured = embedded_facts(cfg.label, key), rates
@@ -344,7 +344,6 @@ class BoxAgent:
                 journal_dir=cfg.box_dir / ".moves", budget=self.timing.budget)
             facts = self.observer.facts
         self.target = TargetRunners(deployment, TargetSide(self.landing, facts), self.timing.move, faults=faults)
-        self.source.wake = self.notify  # a freed cut slot wakes the cuts waiting for it
         self.sweeper = StragglerSweep(cfg.label, cfg.region, ledger, parking.Parker(
             store, cfg.data_bucket, clock, timing=self.timing.move.park), clock, events=events,
             retention_ms=self.timing.retention_ms, every_ms=int(self.timing.sweep_s * 1000))

@@ -182,15 +182,16 @@ class SourceRunners:
     the source's park."""
 
     def __init__(self, deployment: Deployment, source: SourceSide, timings: Timings = FAST,
-                 faults: Callable[[str], None] | None = None) -> None:
+                 faults: Callable[[str], None] | None = None, wake: Callable[[str], None] | None = None) -> None:
         self.d, self.side, self.t = deployment, source, timings
+        self.wake = wake
+        """The agent's :meth:`~services.agent.service.BoxAgent.notify`: a host's pass, now (a freed cut slot wakes
+        the cuts waiting for one)."""
         ctx = source.ctx
         ledger = deployment.door.ledger
         self.ledger = ledger
         self.slots = CutSlots(timings.cut_slots, int((timings.source.cut_budget_s + timings.source.landing_budget_s)
                                                      * 1000))
-        self.wake: Callable[[str], None] | None = None
-        """The agent's :meth:`~services.agent.service.BoxAgent.notify`: a host's pass, now."""
         self.prep = PreparingRunner(PreparingBox(
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,

@@ -25,7 +25,7 @@ from bus.log import LogUnavailable
 from bus.subjects import LEDGER_PREFIX, LEDGER_STREAM, RECOVERY_DURABLE
 from kernel.logctx import ctx
 from services.objstore.port import StoreUnavailable
-from services.recovery.recovery import PassReport, RecoveryPass
+from services.recovery.recovery import RecoveryPass, log_report
 
 log = logging.getLogger("hostmove.recovery")
 
@@ -39,14 +39,6 @@ class _Named(msgspec.Struct):
     """The one field a wake-up needs of a transition's envelope (:class:`events.envelope.Transition`)."""
 
     host: str
-
-
-def log_report(report: PassReport) -> None:
-    """What a look at the hosts wrote and could not settle, one line each."""
-    for line in report.claim_halves + report.records_finished:
-        log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
-    for line in report.errors:
-        log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
 
 
 def ledger_handler(recovery: RecoveryPass) -> Handler:

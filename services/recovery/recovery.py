@@ -122,6 +122,14 @@ class PassReport:
     """``(dependency, reason)`` when an outage stopped the pass (``nats`` or ``s3``); the rest was not looked at."""
 
 
+def log_report(report: PassReport) -> None:
+    """What a look at the hosts wrote and could not settle, one line each (the pass's and the consumer's)."""
+    for line in report.claim_halves + report.records_finished:
+        log.info("recovery wrote %s", line, extra=ctx(phase="recovery"))
+    for line in report.errors:
+        log.error("recovery could not settle %s", line, extra=ctx(phase="recovery", reason=line))
+
+
 class RecoveryPass:
     def __init__(self, ledger: Ledger, events: EventLog, *, release_ms: int = ROLLBACK_RELEASE_MS,
                  park_timing: ParkTiming = PRODUCTION, history_every_ms: int = HISTORY_EVERY_MS,
