@@ -27,7 +27,8 @@ window (``cut-stopping`` to the record's ``opened_at``, as ``bench/move``) is th
 The RESULT is part (b)'s (the issue's): ``RESULT scale ratio=<slowest concurrent offline / lone offline>
 target=3``; part (a) prints its own line above it (``part (a): ... ratio=<worse box's requests per period per
 host> target=1.5``, not a RESULT line). The bench exits 1 when either misses, or a move does not end ``done``
-within its budget. ``SCALE_PART=a`` or ``b`` runs one part; ``SCALE_CUT_SLOTS`` sets part (b)'s agents' cut slots.
+within its budget. ``SCALE_PART=a`` or ``b`` runs one part; ``SCALE_CUT_SLOTS`` and ``SCALE_PREPARE_SLOTS`` set part
+(b)'s agents' cut and preparing slots.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import private_stack, result
-from bench.move import history, offline_window_s
+from bench.move import history, offline_window_s, phases
 from bench.retention import unique_names
 from events.ids import new_incarnation
 from events.record import Record
@@ -202,6 +203,10 @@ class Moved:
     budget_s: float
     why: str = ""
     """A rollback's reason (the record's ``rollback.reason``)."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """Each record transition of the offline window, with its seconds since ``cut-stopping`` (where it went)."""
+    stopping_ms: int = 0
+    """When the cut stopped the host (``cut-stopping``'s ``EventMeta.at``)."""
 
 
 async def done(w: AgentWorld, host: str, move_id: str, timeout_s: float) -> Moved:
@@ -224,14 +229,20 @@ async def done(w: AgentWorld, host: str, move_id: str, timeout_s: float) -> Move
         or next((f"{m.state}/{m.cut_phase or '-'}: {m.reason}" for m in reversed(mine) if m.reason), "")
     outcome = record.last_move.outcome
     offline = offline_window_s(ours) if outcome == "done" else float("nan")
-    return Moved(host, outcome, offline, budgets[-1] if budgets else float("nan"), why)
+    return Moved(host, outcome, offline, budgets[-1] if budgets else float("nan"), why, tuple(phases(ours)),
+                 next((t.meta.at for t in ours if t.meta.name == "cut-stopping"), 0))
+
+
+def shown(m: Moved) -> str:
+    return ", ".join(f"{name} {at:.2f}" for name, at in m.phases)
 
 
 def slots_env() -> dict[str, str]:
-    """``SCALE_CUT_SLOTS``, when set, is the agents' ``HOSTMOVE_CUT_SLOTS`` (a service's environment keeps no
-    ``HOSTMOVE_*`` setting of this process's, :func:`hostmove.procs.service_env`)."""
-    slots = os.environ.get("SCALE_CUT_SLOTS", "")
-    return {"HOSTMOVE_CUT_SLOTS": slots} if slots else {}
+    """``SCALE_CUT_SLOTS`` and ``SCALE_PREPARE_SLOTS``, when set, are the agents' ``HOSTMOVE_CUT_SLOTS`` and
+    ``HOSTMOVE_PREPARE_SLOTS`` (a service's environment keeps no ``HOSTMOVE_*`` setting of this process's,
+    :func:`hostmove.procs.service_env`)."""
+    names = {"SCALE_CUT_SLOTS": "HOSTMOVE_CUT_SLOTS", "SCALE_PREPARE_SLOTS": "HOSTMOVE_PREPARE_SLOTS"}
+    return {agent: os.environ[mine] for mine, agent in names.items() if os.environ.get(mine)}
 
 
 async def concurrent(info: StackInfo, root: Path, moves: int, rows: int) -> tuple[float, bool]:
@@ -271,6 +282,14 @@ async def concurrent(info: StackInfo, root: Path, moves: int, rows: int) -> tupl
                                                         for m in over), flush=True)
         for m in failed:
             print(f"part (b): {m.host} ended {m.outcome}: {m.why}", flush=True)
+        print(f"part (b): the lone move's offline window: {shown(lone)}", flush=True)
+        if moved:
+            slowest = max(moved, key=lambda m: m.offline_s)
+            print(f"part (b): the slowest, {slowest.host}: {shown(slowest)}", flush=True)
+            first = min(m.stopping_ms for m in moved)
+            print("part (b): offline windows in the order of their cuts (s after the first cut: offline s): "
+                  + ", ".join(f"{(m.stopping_ms - first) / 1000:.1f}: {m.offline_s:.2f}"
+                              for m in sorted(moved, key=lambda m: m.stopping_ms)), flush=True)
         return windows[-1] / lone.offline_s, not over and not failed
 
 

@@ -285,6 +285,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         idle_override,
         pass_workers_override,
         prepare_override,
+        prepare_slots_override,
         probe_window_override,
         scan_override,
     )
@@ -310,6 +311,7 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
         timing = scan_override(timing, os.environ.get("HOSTMOVE_SCAN_S"))
         timing = pass_workers_override(timing, os.environ.get("HOSTMOVE_PASS_WORKERS"))
         timing = cut_slots_override(timing, os.environ.get("HOSTMOVE_CUT_SLOTS"))
+        timing = prepare_slots_override(timing, os.environ.get("HOSTMOVE_PREPARE_SLOTS"))
         timing = probe_window_override(timing, os.environ.get("HOSTMOVE_PROBE_WINDOW_S"))
     except ValueError as exc:
         log.error("hostmove serve box: %s", exc, extra=ctx(box=label, reason=exc))

@@ -106,6 +106,7 @@ from services.move.resolve import CLEAR_FAILED, decide_clear_failed_done
 from services.objstore.port import ObjectStore, StoreUnavailable
 from services.recovery.relocation import decide_relocation_release
 from services.source import phases as source_phases
+from services.source.cutslots import prepare_slots_override as whole_prepare_slots
 from services.source.cutslots import slots_override
 from services.sweeper.generations import ChoresReport
 from services.sweeper.lanes import LaneProbeSweep
@@ -257,6 +258,13 @@ def cut_slots_override(timing: AgentTiming, text: str | None) -> AgentTiming:
     """``HOSTMOVE_CUT_SLOTS``: how many cuts a source box carries at once (:mod:`services.source.cutslots`); unset
     keeps the profile's. Anything but a positive whole number is refused with the reason."""
     return replace(timing, move=replace(timing.move, cut_slots=slots_override(text, timing.move.cut_slots)))
+
+
+def prepare_slots_override(timing: AgentTiming, text: str | None) -> AgentTiming:
+    """``HOSTMOVE_PREPARE_SLOTS``: how many moves a source box stages at once before they are ready
+    (:mod:`services.source.cutslots`); unset keeps the profile's. Anything but a positive whole number is refused."""
+    slots = whole_prepare_slots(text, timing.move.prepare_slots)
+    return replace(timing, move=replace(timing.move, prepare_slots=slots))
 
 
 PROFILES = {"fast": FAST_AGENT, "production": PRODUCTION_AGENT}
@@ -1070,4 +1078,5 @@ def read_endpoint(box_dir: Path, host: str, *, newer_than: int | None = None) ->
 
 __all__ = ["FAST_AGENT", "PRODUCTION_AGENT", "PROFILES", "AgentTiming", "BoxAgent", "PassResult", "cut_slots_override",
            "cut_window_override", "endpoint_path", "idle_override", "pass_workers_override", "prepare_override",
+           "prepare_slots_override",
            "probe_window_override", "read_endpoint", "scan_override"]

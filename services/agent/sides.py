@@ -34,7 +34,7 @@ from services.move import rollback
 from services.move.finalize import Finalizer, LocalRetirement, StepReport
 from services.objstore.port import ObjectStore
 from services.source import phases as source_phases
-from services.source.cutslots import DEFAULT_SLOTS, CutSlots
+from services.source.cutslots import DEFAULT_PREPARE_SLOTS, DEFAULT_SLOTS, PREPARE_BUSY, PREPARE_SLOTS_ENV, Slots
 from services.source.phases import TimingProfile, lease_timing
 from services.source.preparing import LaunchInputs, PreparingBox, PreparingRunner
 from services.source.return_install import ReturnInstall
@@ -70,6 +70,8 @@ class Timings:
     max_passes: int = 60
     cut_slots: int = DEFAULT_SLOTS
     """How many cuts the source box carries at once (:mod:`services.source.cutslots`, ``HOSTMOVE_CUT_SLOTS``)."""
+    prepare_slots: int = DEFAULT_PREPARE_SLOTS
+    """How many moves the source box stages at once before they are ready (``HOSTMOVE_PREPARE_SLOTS``)."""
 
 
 FAST = Timings()
@@ -190,8 +192,10 @@ class SourceRunners:
         ctx = source.ctx
         ledger = deployment.door.ledger
         self.ledger = ledger
-        self.slots = CutSlots(timings.cut_slots, int((timings.source.cut_budget_s + timings.source.landing_budget_s)
-                                                     * 1000))
+        self.slots = Slots(timings.cut_slots, int((timings.source.cut_budget_s + timings.source.landing_budget_s)
+                                                  * 1000))
+        self.prepare_slots = Slots(timings.prepare_slots, int(timings.source.prepare_bound_s * 1000), PREPARE_BUSY,
+                                   PREPARE_SLOTS_ENV)
         self.prep = PreparingRunner(PreparingBox(
             label=ctx.label, region=ctx.region, ledger=ledger, deploy_store=ledger.store, deploy_bucket=ledger.bucket,
             data_store=ctx.data_store, data_bucket=ctx.data_bucket, staging=deployment.regions,
@@ -241,10 +245,15 @@ class SourceRunners:
     async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None) -> SideStep:
         move = record.move
         now = self.side.ctx.clock.now_ms()
+        if move is None or move.state != "preparing":
+            self._release(self.prepare_slots, host)
+        elif (busy := self.prepare_slots.take(host, now)) is not None:  # the first stagings are paced too
+            waited = await self.prep.wait(host, move.id, move.incarnation, busy)
+            if waited.step.kind == "blocked":
+                return SideStep(stop=waited.reason)
+            return SideStep(wait=waited.reason, wake_at=now + SLOT_RECHECK_MS)
         if stage not in ("cutting", "landing", "opening") or move is None:
-            for waiting in self.slots.release(host):  # a slot freed: the cuts waiting for one, now
-                if self.wake is not None:
-                    self.wake(waiting)
+            self._release(self.slots, host)
         elif stage == "cutting" and move.cut_phase == "requested":  # the cut's clock starts at its admission
             busy = self.slots.take(host, now)
             if busy is not None:  # woken when a slot frees; looked at again after SLOT_RECHECK_MS regardless
@@ -289,6 +298,12 @@ class SourceRunners:
         if stage == "finalizing":
             return _park_step(await self.final.source_park(host, _finalizing_id(record)))
         return SideStep()
+
+    def _release(self, slots: Slots, host: str) -> None:
+        """``host`` gives up its slot; a freed slot wakes the passes of the hosts waiting for one, now."""
+        for waiting in slots.release(host):
+            if self.wake is not None:
+                self.wake(waiting)
 
     async def _deadline_rollback(self, host: str, move_id: str, incarnation: str) -> SideStep:
         """§7.8: ``landing_deadline`` passed with no commit: the record CAS ``landing -> rolling_back`` (one of the

@@ -117,6 +117,20 @@ def decide_self_abort(record: Record | None, move_id: str, incarnation: str, now
         move, state="aborted", reason=reason, updated_at=now_ms))
 
 
+def decide_waiting(record: Record | None, move_id: str, incarnation: str, why: str, now_ms: int) -> Record | NoChange:
+    """A move still ``preparing`` that waits for one of its source box's preparing slots
+    (:mod:`services.source.cutslots`) says so in ``move.reason``, written only when it changes, so the operator reads
+    why it has not begun (§20) and a self-abort past the bound names it (§7.11)."""
+    if record is None or record.move is None:
+        return NoChange("the host has no move")
+    move = record.move
+    if move.id != move_id or move.incarnation != incarnation or move.state != "preparing":
+        return NoChange("only a move still preparing waits for a preparing slot")
+    if move.reason == why:
+        return NoChange(why)
+    return msgspec.structs.replace(record, move=msgspec.structs.replace(move, reason=why, updated_at=now_ms))
+
+
 def staging_refused(record: Record | None, claim: Claim | None, *, source: str, move_id: str,
                     incarnation: str) -> str | None:
     """Why a preparing round may not stage now, read fresh right after the staging-work lease was taken (§7.3:
@@ -354,6 +368,25 @@ class PreparingRunner:
         if result.step.kind == "touch" and not result.reason:
             result = await self.step(host, move_id, incarnation)
         return result
+
+    async def wait(self, host: str, move_id: str, incarnation: str, why: str) -> PrepResult:
+        """No round: the move waits for a preparing slot. Under K5 (the claim is still this move's, this box its
+        source) the record says ``why``, and the prepare bound still aborts it (§7.11)."""
+        box = self.box
+        record = (await box.ledger.read_record(host)).state
+        claim = (await box.ledger.read_claim(host)).state
+        step = plan_preparing(record, claim, source=box.label, move_id=move_id, incarnation=incarnation)
+        state = record.move.state if record is not None and record.move is not None else ""
+        if step.kind in ("idle", "blocked"):
+            return PrepResult(step, state, step.reason)
+        if isinstance(decide_self_abort(record, move_id, incarnation, box.clock.now_ms(), self.profile), Record):
+            out = await box.ledger.transition("record", host, "move-self-abort", lambda r: decide_self_abort(
+                r, move_id, incarnation, box.clock.now_ms(), self.profile))  # type: ignore[arg-type,misc]
+            return PrepResult(PrepStep("idle", "aborted"), "aborted" if isinstance(out, Committed) else state,
+                              "the move was never ready within its prepare bound; it aborted itself")
+        out = await box.ledger.transition("record", host, "move-wait-slot", lambda r: decide_waiting(
+            r, move_id, incarnation, why, box.clock.now_ms()))  # type: ignore[arg-type,misc]
+        return PrepResult(PrepStep("idle", why), state, why if isinstance(out, Committed | NoChange) else _why_not(out))
 
     async def step(self, host: str, move_id: str, incarnation: str) -> PrepResult:
         box = self.box
