@@ -41,7 +41,7 @@ from services.source.return_install import ReturnInstall
 from services.source.reverting import RevertRunner
 from services.source.rollback_recovery import RollbackRecovery
 from services.source.worker import SourceBox, SourceWorker
-from services.target.readiness import BoxFacts, report_readiness
+from services.target.readiness import BoxFacts, report_again_in, report_readiness
 from services.target.release import TargetRelease
 from services.target.returning import ReturnLane
 from services.target.worker import LandingWorker
@@ -67,6 +67,9 @@ class Timings:
     park: parking.ParkTiming = parking.FAST
     within_s: float = 120.0
     poll_s: float = 0.2
+    report_every_s: float = 2.0
+    """The target's readiness report repeats at most this often once it passes, and backs off to it while it fails
+    (:func:`services.target.readiness.report_again_in`); never more often than ``poll_s``."""
     max_passes: int = 60
     cut_slots: int = DEFAULT_SLOTS
     """How many cuts the source box carries at once (:mod:`services.source.cutslots`, ``HOSTMOVE_CUT_SLOTS``)."""
@@ -333,6 +336,7 @@ class TargetRunners:
             events=deployment.events, faults=faults, staging_lease=lease_timing(timings.source),
             staging_region=tbox.region)
         self.release = TargetRelease(target.worker, self.final, self._local_retire, lanes=self._lane)
+        self._report_in: dict[str, float] = {}  # per host preparing here: the pace of its last report
 
     @property
     def label(self) -> str:
@@ -371,8 +375,14 @@ class TargetRunners:
 
     async def step(self, host: str, stage: Stage, record: Record, claim: Claim | None,
                    source_region: str) -> SideStep:
-        if stage == "preparing":  # "" : reported ready
-            return SideStep(wait=await self.report(host, source_region))
+        if stage != "preparing":
+            self._report_in.pop(host, None)
+        else:  # "" : reported ready
+            why = await self.report(host, source_region)
+            again = report_again_in(not why, self._report_in.get(host), poll_s=self.t.poll_s,
+                                    every_s=self.t.report_every_s)
+            self._report_in[host] = again
+            return SideStep(wait=why, wake_at=self.side.worker.box.clock.now_ms() + int(again * 1000))
         if stage in ("landing", "opening"):
             step = await self.side.worker.run(host)
             if step.outcome in ("blocked", "rolled_back", "stopped"):

@@ -289,6 +289,18 @@ async def write_report(store: ObjectStore, deployment_bucket: str, report: Targe
     return getattr(out, "version_id", None)
 
 
+def report_again_in(ready: bool, last_in_s: float | None, *, poll_s: float, every_s: float) -> float:
+    """When the target reports again (§7.3): a passing report is repeated every ``max(poll_s, every_s)``, well
+    inside the source's freshness bound; a failing one first after ``poll_s``, then twice as long each time it still
+    fails, up to the same period. Whatever changes the move (the source's round staging the first file, a reason
+    written) is a transition whose work notice passes the target at once, so the pace only bounds the repeats that
+    find nothing new: twenty moves preparing toward one box no longer report a hundred times a second."""
+    cap = max(poll_s, every_s)
+    if ready or last_in_s is None:
+        return cap if ready else poll_s
+    return min(cap, max(poll_s, 2 * last_in_s))
+
+
 @dataclass(frozen=True)
 class BoxFacts:
     """What the box knows about itself and cannot observe from the stores (T1, T2, T3, T7, T8, T11, T13)."""
