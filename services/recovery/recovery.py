@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
@@ -149,11 +151,24 @@ class RecoveryPass:
         self._alerted: set[tuple[str, str]] = set()
         self._roster: Roster | None = None
         self._fenced: frozenset[str] = frozenset()
-        self._locks: dict[str, asyncio.Lock] = {}
-        """One look at a host at a time, the pass's or the ledger consumer's (:meth:`host`)."""
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        """One look at a host at a time, the pass's or the ledger consumer's (:meth:`host`): each host's lock and
+        how many looks hold or wait for it; the last look out drops it, so the map holds only hosts being looked
+        at, never every host the console ever saw."""
 
-    def _lock(self, host: str) -> asyncio.Lock:
-        return self._locks.setdefault(host, asyncio.Lock())
+    @asynccontextmanager
+    async def _lock(self, host: str) -> AsyncIterator[None]:
+        lock, looks = self._locks.get(host, (asyncio.Lock(), 0))
+        self._locks[host] = (lock, looks + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, looks = self._locks[host]
+            if looks <= 1:
+                del self._locks[host]
+            else:
+                self._locks[host] = (lock, looks - 1)
 
     async def host(self, host: str) -> PassReport:
         """Look at one host now, as the pass does, with the roster the last pass read (issue 19 item 1: the ledger
