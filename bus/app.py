@@ -112,6 +112,7 @@ def subscribe(
     max_workers: int = 1,
     deliver_new: bool = False,
     settle_s: float = 0.0,
+    credentials: Credentials | None = None,
 ) -> Any:
     """Register ``handler`` on a durable pull consumer with manual acks and bounded redelivery. ``max_workers``
     handles that many messages at once (the handler serializes what must be); ``deliver_new`` makes a consumer
@@ -119,8 +120,11 @@ def subscribe(
     backstop: what happened before the service first ran is the backstop's). ``settle_s``: a message younger than
     this (by the stream's timestamp) is redelivered once it is that old, so the writer that published it has
     finished the step it was in (a recovery looks at what a live actor left owed, never races it); that delivery
-    counts towards ``max_deliver``."""
+    counts towards ``max_deliver``. ``credentials``: the role the broker connects as (:func:`make_broker`'s), whose
+    inbox prefix the pull subscription's reply inbox takes (FastStream's own default, ``_INBOX``, is a subject no
+    role but the admin may subscribe to, :func:`hostmove.access.inbox_prefix`)."""
     pol = policy or RedeliveryPolicy()
+    inbox = credentials.inbox_prefix if credentials is not None and credentials.inbox_prefix else "_INBOX"
 
     async def _deliver(body: bytes, msg: NatsMessage) -> None:
         raw = msg.raw_message
@@ -177,6 +181,7 @@ def subscribe(
         ack_policy=AckPolicy.MANUAL,
         max_workers=max_workers,
         decoder=_raw_body,
+        inbox_prefix=f"{inbox}.".encode(),  # FastStream appends the NUID to it as it is
     )(_deliver)
 
 

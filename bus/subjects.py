@@ -28,6 +28,8 @@ WORK_PREFIX = "hm.work"
 the newest only per subject (a per-box index of the hosts with news); a box's durable consumer takes its own."""
 RECOVERY_DURABLE = "recovery"
 """The console recovery's durable consumer of ``HM_LEDGER`` (issue 19 item 1, :mod:`services.recovery.consumer`)."""
+RECOVERY_FILTER = f"{LEDGER_PREFIX}.>"
+"""Its filter: every transition (the console role's grant names it, :func:`hostmove.access.nats_permissions`)."""
 LEDGER_SUBJECTS = [f"{LEDGER_PREFIX}.>"]
 FACTS_SUBJECTS = [f"{FACT_PREFIX}.>", f"{ALERT_PREFIX}.>"]
 WORK_SUBJECTS = [f"{WORK_PREFIX}.*.*"]

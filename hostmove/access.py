@@ -42,7 +42,9 @@ other region's bucket only ``moves/*`` (Put and Delete, List conditioned on the 
 read as written), and in the deployment bucket only the claims, records, staging leases and bad-object markers;
 never the roster, the fences, the deployment's key, floor or identity, nor an app release. What a key prefix cannot
 say: a claim (``control/hosts/<host>.json``) is the host's, not a box's, so a box can CAS any host's claim; the
-claim's content (``op.exec``) is what names the box, and the ledger is what checks it.
+claim's content (``op.exec``) is what names the box, and the ledger is what checks it. The console writes the
+ledger, the losses, the alerts and its move logs; of what the boxes rewrite (staging leases, move journals) it may
+only delete a version by its id, the history sweep's one need (:data:`CONSOLE_SWEEPS`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from bus.subjects import (
     LEDGER_PREFIX,
     LEDGER_STREAM,
     RECOVERY_DURABLE,
+    RECOVERY_FILTER,
     WORK_PREFIX,
     WORK_STREAM,
     box_durable,
@@ -135,10 +138,14 @@ LEDGER_PUBLISH = [f"{LEDGER_PREFIX}.claim.*", f"{LEDGER_PREFIX}.record.*", f"{WO
 """A ledger writer publishes its transitions and the work notices they send (:mod:`services.ledger.notices`)."""
 
 
-def _js_durable(stream: str, durable: str) -> list[str]:
-    """One durable pull consumer of the role's own: declare (the legacy durable API: it carries no filter, so the
-    filter is the role's word, see the module's docstring), fetch and acknowledge (issue 19 item 1)."""
-    return [f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+def _js_durable(stream: str, durable: str, filter_subject: str = "") -> list[str]:
+    """One durable pull consumer of the role's own: declare, fetch and acknowledge (issue 19 item 1). Declared
+    through the legacy durable API (it carries no filter, so the filter is the role's word, see the module's
+    docstring), or, with ``filter_subject``, through the API whose subject names the consumer and its filter (what
+    nats-py's ``pull_subscribe`` calls, so FastStream's subscriber: the filter is then the grant's)."""
+    create = (f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{filter_subject}" if filter_subject
+              else f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}")
+    return [create, f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
 FACTS_PUBLISH = [f"{FACT_PREFIX}.*.*"]
 
@@ -151,7 +158,7 @@ def nats_permissions(role: str) -> dict[str, Any] | None:
     if role == CONSOLE:
         return {"publish": {"allow": [*LEDGER_PUBLISH, *FACTS_PUBLISH, f"{ALERT_PREFIX}.>",
                                       *_js_read(LEDGER_STREAM, FACTS_STREAM, WORK_STREAM),
-                                      *_js_durable(LEDGER_STREAM, RECOVERY_DURABLE),
+                                      *_js_durable(LEDGER_STREAM, RECOVERY_DURABLE, RECOVERY_FILTER),
                                       f"$JS.API.STREAM.CREATE.{LEDGER_STREAM}",
                                       f"$JS.API.STREAM.CREATE.{FACTS_STREAM}",
                                       f"$JS.API.STREAM.CREATE.{WORK_STREAM}"],
@@ -361,6 +368,9 @@ OBJECT_WRITE = ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"]
 BUCKET_LIST = ["s3:ListBucket", "s3:ListBucketVersions", "s3:GetBucketVersioning"]
 CONSOLE_WRITES = ("control/hosts/", "control/records/", "control/losses/", "alerts/", "_probe/", "_health/",
                   "moves/*/log/", "moves/_by-id/")  # the move log of the transitions it makes (§13)
+CONSOLE_SWEEPS = ("control/staging-leases/", "moves/")
+"""Where the console's history sweep deletes noncurrent versions by id and writes nothing (:mod:`services.sweeper.
+history`: a host's staging leases and move journals, which the boxes rewrite; ruling M17 lets no box delete there)."""
 BOX_WRITES = ("control/hosts/", "control/records/", "control/staging-leases/", "alerts/bad-objects/", "moves/",
               "_probe/", "_health/")
 """What a box writes in the deployment bucket: claims and records (through the ledger), the staging-work lease, the
@@ -385,7 +395,9 @@ def s3_policy(role: str, *, deployment_bucket: str, data_prefix: str = DEFAULT_D
                        _statement("DeploymentList", BUCKET_LIST, [_arn(d)])]
     if role == CONSOLE:
         statements = [*read_deployment,
-                      _statement("DeploymentWrite", OBJECT_WRITE, [_arn(f"{d}/{p}*") for p in CONSOLE_WRITES])]
+                      _statement("DeploymentWrite", OBJECT_WRITE, [_arn(f"{d}/{p}*") for p in CONSOLE_WRITES]),
+                      _statement("HistorySweep", ["s3:DeleteObjectVersion"],
+                                 [_arn(f"{d}/{p}*") for p in CONSOLE_SWEEPS])]
     elif role == PROJECTIONS:
         statements = read_deployment
     elif role == ROUTER:  # the readiness check's object only: a router reads nothing of the deployment

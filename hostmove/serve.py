@@ -238,7 +238,8 @@ async def _recovery_consumer(rt: Runtime, recovery: RecoveryPass, workers: int, 
 
     attempt = 0
     while not stop.is_set():
-        broker = ledger_consumer(rt.settings.nats_url, recovery, workers=workers)
+        broker = ledger_consumer(rt.settings.nats_url, recovery, workers=workers,
+                                 credentials=rt.settings.credentials)
         try:
             await broker.start()
         except Exception as exc:  # noqa: BLE001 - a consumer that cannot start leaves the backstop pass working
@@ -249,6 +250,8 @@ async def _recovery_consumer(rt: Runtime, recovery: RecoveryPass, workers: int, 
             await asyncio.sleep(reconnect_delay(attempt))
             attempt += 1
             continue
+        log.info("recovery: the ledger consumer %s started", RECOVERY_DURABLE,
+                 extra=ctx(phase="recovery", durable=RECOVERY_DURABLE))
         try:
             await stop.wait()
         finally:

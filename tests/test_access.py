@@ -239,6 +239,48 @@ async def test_a_box_takes_its_own_wakes_and_writes_only_what_a_box_writes(stack
         await admin.close()
 
 
+async def test_the_recovery_declares_and_takes_only_its_own_ledger_consumer(stack: StackInfo,
+                                                                            deployment: Deployment) -> None:
+    """The console's recovery consumer (services/recovery/consumer.py, FastStream's pull subscriber) starts under
+    the console's grant and receives a transition; another durable, or its own name with another filter, is refused
+    (the name and the filter are in the create API's subject, so the grant pins both)."""
+    from bus.app import make_broker, subscribe
+    from bus.subjects import RECOVERY_DURABLE, RECOVERY_FILTER
+
+    durable = RECOVERY_DURABLE
+    admin = await NatsEventLog.connect(stack.nats_url)
+    with contextlib.suppress(Exception):  # a consumer an earlier test or run of this stack left
+        await admin.js.delete_consumer(LEDGER_STREAM, durable)
+    seen: list[bytes] = []
+
+    async def handle(body: bytes, _headers: Any) -> None:
+        seen.append(body)
+
+    broker = make_broker(stack.nats_url, credentials=deployment.creds[CONSOLE])
+    subscribe(broker, service="recovery", subject=RECOVERY_FILTER, stream=LEDGER_STREAM, durable=durable,
+              handler=handle, deliver_new=True, credentials=deployment.creds[CONSOLE])
+    console = await Conn.open(stack, deployment.creds[CONSOLE])
+    try:
+        await asyncio.wait_for(broker.start(), 20)
+        body = json.dumps({"host": f"rec-{deployment.prefix}"}).encode()
+        await admin.publish(LEDGER_STREAM, ledger_subject("claim", f"rec-{deployment.prefix}"), body)
+        deadline = asyncio.get_running_loop().time() + 20
+        while body not in seen:
+            assert asyncio.get_running_loop().time() < deadline, seen
+            await asyncio.sleep(0.1)
+        for api in (f"$JS.API.CONSUMER.CREATE.{LEDGER_STREAM}.other.{RECOVERY_FILTER}",
+                    f"$JS.API.CONSUMER.CREATE.{LEDGER_STREAM}.{durable}.hm.fact.>",
+                    f"$JS.API.CONSUMER.DURABLE.CREATE.{LEDGER_STREAM}.other",
+                    f"$JS.API.CONSUMER.DELETE.{LEDGER_STREAM}.{durable}"):
+            assert await console.refused_api(api), api
+    finally:
+        await broker.stop()
+        await console.close()
+        with contextlib.suppress(Exception):
+            await admin.js.delete_consumer(LEDGER_STREAM, durable)
+        await admin.close()
+
+
 async def test_only_the_router_sends_a_wake(stack: StackInfo, deployment: Deployment) -> None:
     label = deployment.labels["uk"]
     box = await Conn.open(stack, deployment.box("uk"))
@@ -464,6 +506,23 @@ def test_the_read_only_and_console_identities(stack: StackInfo, deployment: Depl
         assert _denied(call)
     router = _s3(stack, deployment.creds[ROUTER])
     assert _denied(lambda: router.get_object(Bucket=d, Key="control/hosts/h1.json"))
+
+
+def test_the_console_deletes_a_lease_or_journal_version_by_id_and_writes_neither(stack: StackInfo,
+                                                                                 deployment: Deployment) -> None:
+    """The recovery's history sweep (services/sweeper/history.py) deletes noncurrent versions of what the boxes
+    rewrite, by exact version id; the console may not write those objects, nor delete one without its id."""
+    d = deployment.bucket
+    box, console = _s3(stack, deployment.box("ie")), _s3(stack, deployment.creds[CONSOLE])
+    for key in ("control/staging-leases/uk/h2.json", "moves/h2/op1/source.json"):
+        old = box.put_object(Bucket=d, Key=key, Body=b'{"n": 1}')["VersionId"]
+        box.put_object(Bucket=d, Key=key, Body=b'{"n": 2}')
+        assert _denied(lambda k=key: console.put_object(Bucket=d, Key=k, Body=b"{}")), key
+        assert _denied(lambda k=key: console.delete_object(Bucket=d, Key=k)), key  # a delete marker: never
+        console.delete_object(Bucket=d, Key=key, VersionId=old)
+        versions = console.list_object_versions(Bucket=d, Prefix=key).get("Versions", [])
+        assert [v["VersionId"] for v in versions if v["Key"] == key and v["VersionId"] == old] == [], key
+        assert console.get_object(Bucket=d, Key=key)["Body"].read() == b'{"n": 2}', key
 
 
 # ------------------------------------------------------------------------------------------------------- files

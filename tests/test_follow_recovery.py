@@ -225,7 +225,7 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
     def follows(host: str) -> Callable[[], Awaitable[bool]]:
         return lambda: followed(host)
 
-    broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
+    broker = ledger_consumer(stack.nats_url, recovery, workers=2, credentials=None, durable=durable)
     await broker.start()
     try:
         live = f"{unique('live')}.example.com"
@@ -240,7 +240,7 @@ async def test_the_recovery_takes_each_transition_from_its_durable_consumer_acro
             await put(ledger, "claim", moving_claim(missed))
             await put(ledger, "record", record(missed, **FLIPPED))
             assert not await followed(missed), "nothing follows while the consumer is stopped"
-            broker = ledger_consumer(stack.nats_url, recovery, workers=2, durable=durable)
+            broker = ledger_consumer(stack.nats_url, recovery, workers=2, credentials=None, durable=durable)
             await broker.start()
             await eventually(follows(missed), f"{missed} followed after restart {restart + 1}", 30)
     finally:

@@ -68,6 +68,11 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
         assert token and token not in out, "the token is never printed but by token create, into its file"
         status = out.split("+ hostmove move status --host second.example.com", 1)[1]
         assert re.search(r"\bdone\b", status), status
+        services = [p for p in sorted((work / ".hostmove" / "logs").glob("*.log")) if p.name not in NOT_SERVICES]
+        refused = [line for p in services for line in p.read_text(errors="replace").splitlines()
+                   if any(word in line for word in REFUSALS)]
+        assert not refused, "a service was refused what its role needs:\n" + "\n".join(refused[:5])
+        assert "the ledger consumer recovery started" in (work / ".hostmove" / "logs" / "recovery-2.log").read_text()
         assert not list(work.glob("**/context.json")), "the login went to the user's config directory"
         assert (tmp_path / "config" / "hostmove" / "context.json").exists()
     finally:
@@ -75,6 +80,11 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(shell.pid, signal.SIGTERM)
         stack_down(work / ".hostmove")
+
+
+NOT_SERVICES = ("nats.log", "weed.log")
+REFUSALS = ("Authorization Violation", "permissions violation", "AccessDenied")
+"""What a service's log shows when its role lacks a grant it needs (hostmove.access)."""
 
 
 def logs(work: Path) -> str:

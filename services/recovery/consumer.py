@@ -22,7 +22,8 @@ from faststream.nats import NatsBroker
 
 from bus.app import DependencyDown, Handler, make_broker, subscribe
 from bus.log import LogUnavailable
-from bus.subjects import LEDGER_PREFIX, LEDGER_STREAM, RECOVERY_DURABLE
+from bus.subjects import LEDGER_STREAM, RECOVERY_DURABLE, RECOVERY_FILTER
+from kernel.credentials import Credentials
 from kernel.logctx import ctx
 from services.objstore.port import StoreUnavailable
 from services.recovery.recovery import RecoveryPass, log_report
@@ -60,13 +61,14 @@ def ledger_handler(recovery: RecoveryPass) -> Handler:
     return handle
 
 
-def ledger_consumer(nats_url: str, recovery: RecoveryPass, *, workers: int,
+def ledger_consumer(nats_url: str, recovery: RecoveryPass, *, workers: int, credentials: Credentials | None,
                     durable: str = RECOVERY_DURABLE) -> NatsBroker:
     """A broker (not started) whose durable subscriber wakes ``recovery`` for each transition, ``workers`` at once
     (the recovery's lock keeps one look per host at a time). One deployment has one ``durable``: recoveries that
-    share it share its messages."""
-    broker = make_broker(nats_url, name="hostmove-recovery-consumer")
-    subscribe(broker, service="recovery", subject=f"{LEDGER_PREFIX}.>", stream=LEDGER_STREAM,
+    share it share its messages. ``credentials``: the process's role (the console's), as its runtime resolved them
+    (:func:`hostmove.runtime.load_settings`), never the environment read again."""
+    broker = make_broker(nats_url, name="hostmove-recovery-consumer", credentials=credentials)
+    subscribe(broker, service="recovery", subject=RECOVERY_FILTER, stream=LEDGER_STREAM, credentials=credentials,
               durable=durable, handler=ledger_handler(recovery), max_workers=workers, deliver_new=True,
               settle_s=SETTLE_S)
     return broker
