@@ -231,7 +231,10 @@ async def storage_probe(store: ObjectStore, bucket: str, name: str) -> tuple[boo
 
 
 async def lane_probe(store: ObjectStore, source_bucket: str, name: str) -> tuple[bool, str]:
-    """T10: put and delete ``moves/_lane/<name>`` in the source's bucket (M17)."""
+    """T10: put and delete ``moves/_lane/<name>`` in the source's bucket (M17). The assessment names it by the move
+    id, never the host: a probe a crash interrupts between the PUT and the delete is no host's object in the region
+    the host leaves (§14.4 "no copy remains in a live namespace"), and that region's lane sweep retires it
+    (:mod:`services.sweeper.lanes`)."""
     key = LANE_PREFIX + name
     try:
         await store.put(source_bucket, key, b"lane")
@@ -354,7 +357,7 @@ async def report_readiness(
         return None
     lane = f"moves/{quote(host, safe='.-_~@+')}/{move.id}/"
     storage_ok, storage_detail = await storage_probe(data_store, data_bucket, f"{host}-{move.id}")
-    lane_ok, lane_detail = await lane_probe(source_store, source_bucket, f"{host}-{move.id}")
+    lane_ok, lane_detail = await lane_probe(source_store, source_bucket, move.id)
     # the current objects only (ListObjectsV2): a listing of every version grew with each round's copies and deletes
     replica_bytes = sum(e.size for e in await data_store.list_entries(data_bucket, lane + "replica/"))
     archive = await data_store.get(data_bucket, lane + "files/archive.sealed")
