@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sqlite3
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +31,7 @@ from hostmove.rehearsal import ack_logs, checks, timers_once, unanswered_deliver
 from hostmove.stackinfo import StackInfo
 from kernel.failpoints import ENV
 from kernel.ports import SystemRandom, WallClock
-from moveprobe.acks import RowAck, missing_from_db, read_acks
+from moveprobe.acks import Ack, RowAck, TimerAck, missing_from_db, read_acks
 from services.agent.service import read_endpoint
 from services.box.instance.sandbox import instance_dir
 from services.door.api import Door
@@ -149,8 +150,37 @@ def where_acks_are(w: AgentWorld, host: str) -> str:
     for region in ("ie", "uk"):
         for db in sorted(w.box_dir(region).rglob(f"{host}.db")):
             lacks = missing_from_db(db, missing)
-            lines.append(f"  {db.relative_to(w.root)}: holds {len(missing) - len(lacks)} of them")
+            lines.append(f"  {db.relative_to(w.root)}: holds {len(missing) - len(lacks)} of them"
+                         + "".join(f"\n    {near}" for near in _near(db, missing[:3])))
     return "\n".join(lines) + timeline(w, host, min(a.ts_ms for a in missing))
+
+
+def _near(db: Path, acks: list[Ack]) -> list[str]:
+    """What ``db`` holds where each missing acknowledgement should be (the row of its seq or run, and a timer
+    delivery's rows by id), and the WAL beside it: whether the write is elsewhere or absent."""
+    wal = db.with_name(db.name + "-wal")
+    out = [f"-wal: {wal.stat().st_size if wal.exists() else 'none'} bytes"]
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro{'' if wal.exists() else '&immutable=1'}", uri=True)
+    except sqlite3.Error as exc:
+        return [*out, f"not opened: {exc}"]
+    try:
+        for a in acks:
+            if isinstance(a, TimerAck):
+                rows = conn.execute("SELECT run, name, due_at_ms, delivery, session FROM timer_runs "
+                                    "WHERE run = ? OR delivery = ? OR due_at_ms = ?",
+                                    (a.run, a.delivery, a.due_at_ms)).fetchall()
+                top = conn.execute("SELECT max(run) FROM timer_runs").fetchone()
+            else:
+                rows = conn.execute("SELECT seq, kind, session, value FROM rows WHERE seq = ?",
+                                    (a.seq,)).fetchall()
+                top = conn.execute("SELECT max(seq) FROM rows").fetchone()
+            out.append(f"for {type(a).__name__} {getattr(a, 'run', getattr(a, 'seq', '?'))}: {rows}; last {top}")
+    except sqlite3.Error as exc:
+        out.append(f"not read: {exc}")
+    finally:
+        conn.close()
+    return out
 
 
 def timeline(w: AgentWorld, host: str, at_ms: int, around_ms: int = 4000, cap: int = 80) -> str:
