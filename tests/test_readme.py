@@ -63,7 +63,7 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
             os.killpg(shell.pid, signal.SIGKILL)
             out, _ = shell.communicate()
             raise AssertionError(f"the section did not finish: {out[-3000:]}\n{logs(work)}") from None
-        assert shell.returncode == 0, f"{out[-4000:]}\n{logs(work)}"
+        assert shell.returncode == 0, f"{out[-4000:]}\n{status_of(work, env)}\n{logs(work)}"
         token = (work / ".hostmove" / "my-token").read_text().strip()
         assert token and token not in out, "the token is never printed but by token create, into its file"
         status = out.split("+ hostmove move status --host second.example.com", 1)[1]
@@ -85,6 +85,17 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
 NOT_SERVICES = ("nats.log", "weed.log")
 REFUSALS = ("Authorization Violation", "permissions violation", "AccessDenied")
 """What a service's log shows when its role lacks a grant it needs (hostmove.access)."""
+
+
+def status_of(work: Path, env: dict[str, str]) -> str:
+    """On a failure: the second host's move status as the CLI prints it (a move that rolled back says why; the CI
+    run keeps no files, only this message)."""
+    try:
+        got = subprocess.run([str(work / ".venv" / "bin" / "hostmove"), "move", "status", "--host",
+                              "second.example.com"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "--- move status: no answer in 60 s"
+    return f"--- move status (exit {got.returncode})\n{(got.stdout + got.stderr)[-2500:]}"
 
 
 def logs(work: Path) -> str:
