@@ -239,8 +239,8 @@ async def test_a_box_takes_its_own_wakes_and_writes_only_what_a_box_writes(stack
         await admin.close()
 
 
-async def test_the_recovery_declares_and_takes_only_its_own_ledger_consumer(stack: StackInfo,
-                                                                            deployment: Deployment) -> None:
+async def test_the_recovery_declares_and_takes_only_its_own_ledger_consumer(stack: StackInfo, deployment: Deployment,
+                                                                            forged: list[int]) -> None:
     """The console's recovery consumer (services/recovery/consumer.py, FastStream's pull subscriber) starts under
     the console's grant and receives a transition; another durable, or its own name with another filter, is refused
     (the name and the filter are in the create API's subject, so the grant pins both)."""
@@ -263,7 +263,8 @@ async def test_the_recovery_declares_and_takes_only_its_own_ledger_consumer(stac
     try:
         await asyncio.wait_for(broker.start(), 20)
         body = json.dumps({"host": f"rec-{deployment.prefix}"}).encode()
-        await admin.publish(LEDGER_STREAM, ledger_subject("claim", f"rec-{deployment.prefix}"), body)
+        forged.append((await admin.publish(LEDGER_STREAM, ledger_subject("claim", f"rec-{deployment.prefix}"),
+                                           body)).seq)  # not a transition: deleted when the test ends
         deadline = asyncio.get_running_loop().time() + 20
         while body not in seen:
             assert asyncio.get_running_loop().time() < deadline, seen
