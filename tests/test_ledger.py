@@ -186,6 +186,42 @@ async def test_crash_between_cas_and_publish_is_relayed_by_the_next_writer(
     assert relayed.meta.name == "lost-step" and relayed.meta.actor.service == "crasher"
 
 
+async def test_an_audit_waits_for_an_event_on_its_way_and_reports_one_that_never_comes(
+    env: Env, unique: Callable[[str], str]
+) -> None:
+    """A live store runs ahead of its stream between a CAS and its publish: the audit reads the object again with
+    its subject's new events, so an event the relay publishes while it waits is no finding; one that never comes is,
+    and says what happened (a writer stopped between its CAS and its publish)."""
+    host = host_name(unique, "inflight")
+
+    def crash(point: str) -> None:
+        if point == "after_cas":
+            raise Crash(point)
+
+    await env.ledger().transition("claim", host, "create", set_phase("a"))
+    with pytest.raises(Crash):
+        await env.ledger(crash, service="crasher").transition("claim", host, "lost-step", set_phase("b"))
+    alone = await run_audit(env.events.inner, env.ledger(), host=host, protocol=False, settle_s=0.6)
+    assert [f.what for f in alone.findings] == [
+        "last state differs from the object in S3 (stream gen 1, store gen 2): gen 2 has no event on the stream "
+        "after 0.6 s (a writer stopped between its CAS and its publish: its next transition, or the relay, "
+        "publishes it)"], alone.findings
+
+    await env.ledger().transition("claim", host, "next", set_phase("c"))  # relays gen 2, publishes gen 3
+    with pytest.raises(Crash):
+        await env.ledger(crash, service="crasher").transition("claim", host, "again", set_phase("d"))
+
+    async def relay_late() -> None:
+        await asyncio.sleep(0.8)
+        await env.ledger().relay_all()
+
+    relaying = asyncio.ensure_future(relay_late())
+    settled = await run_audit(env.events.inner, env.ledger(), host=host, protocol=False, settle_s=10)
+    await relaying
+    assert settled.clean(strict=True), settled.findings
+    assert settled.tracks[("claim", host)].last_gen == 4 and settled.messages == 4
+
+
 async def test_relay_all_publishes_missing_last_gens(env: Env, unique: Callable[[str], str]) -> None:
     hosts = [host_name(unique, "relay") for _ in range(3)]
 

@@ -3,13 +3,18 @@
 Reports, per object: gaps, out-of-order gens, events that fail the durable-value boundary, and a
 last state that differs from the object in S3 (byte for byte in the canonical encoding). A
 ``rebase`` event is an explicit, declared loss of history: it is reported as a notice, and fails the
-audit only with ``strict``. The fold is pure (:class:`HistoryCheck`); :func:`run_audit` is the shell;
+audit only with ``strict``. A live deployment's store runs ahead of its stream for a moment (a writer CASes, then
+publishes; the relay publishes what a writer that stopped between the two did not): an object the store holds at a
+later gen than the stream's is read again, its subject's new events with it, for ``settle_s`` before it is a finding,
+so an audit of a running deployment reports only what stays wrong. The fold is pure (:class:`HistoryCheck`);
+:func:`run_audit` is the shell;
 :func:`verdict` is what ``hostmove audit`` says at the end (clean, not clean, nothing to audit, or the store
 unavailable: an outage, never a finding about the history).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +46,7 @@ class _Track:
     last_gen: int = 0
     last_body: bytes | None = None
     events: int = 0
+    last_seq: int = 0
 
 
 @dataclass
@@ -95,8 +101,15 @@ class HistoryCheck:
         track.last_gen = gen
         track.last_body = canonical(event.state)
         track.events += 1
+        track.last_seq = max(track.last_seq, msg.seq)
 
-    def compare(self, obj: str, host: str, store_body: bytes | None, store_gen: int | None) -> None:
+    def behind(self, obj: str, host: str, store_gen: int | None) -> bool:
+        """The stream's last event of the object is older than the store's gen (its event may still be on its way)."""
+        track = self.tracks.get((obj, host))
+        return store_gen is not None and store_gen > (track.last_gen if track is not None else 0)
+
+    def compare(self, obj: str, host: str, store_body: bytes | None, store_gen: int | None,
+                settled_s: float | None = None) -> None:
         """Compare the fold's last state with the object the store holds (None: missing)."""
         self.present += store_body is not None
         track = self.tracks.get((obj, host))
@@ -107,22 +120,31 @@ class HistoryCheck:
         if store_body is None:
             self._add("error", obj, host, "the stream has history but the store has no object")
         elif store_body != track.last_body:
+            waited = (f": gen {store_gen} has no event on the stream after {settled_s:g} s (a writer stopped between "
+                      "its CAS and its publish: its next transition, or the relay, publishes it)"
+                      if settled_s is not None and self.behind(obj, host, store_gen) else "")
             self._add(
                 "error",
                 obj,
                 host,
                 f"last state differs from the object in S3 "
-                f"(stream gen {track.last_gen}, store gen {store_gen})",
+                f"(stream gen {track.last_gen}, store gen {store_gen}){waited}",
             )
 
     def clean(self, strict: bool = False) -> bool:
         return not any(f.severity == "error" or strict for f in self.findings)
 
 
+SETTLE_S = 5.0
+"""How long an object the store holds ahead of the stream is read again before it is a finding: a writer's publish
+follows its CAS within its publish budget; the relay publishes a stopped writer's within its own pass."""
+
+
 async def run_audit(
-    events: EventLog, ledger: Ledger, *, host: str | None = None, protocol: bool = True
+    events: EventLog, ledger: Ledger, *, host: str | None = None, protocol: bool = True, settle_s: float = SETTLE_S
 ) -> HistoryCheck:
-    """Replay the stream (all of it, or one host's two subjects) and compare with S3. With ``protocol``,
+    """Replay the stream (all of it, or one host's two subjects) and compare with S3; an object S3 holds ahead of
+    the stream is read again with its subject's new events for ``settle_s`` (module doc). With ``protocol``,
     every transition is also checked against the protocol's tables, K3, K4 and K8
     (:class:`services.ledger.protocol.ProtocolCheck`); its findings join the audit's."""
     from services.ledger.protocol import ProtocolCheck
@@ -134,15 +156,6 @@ async def run_audit(
         async for msg in events.replay(LEDGER_STREAM, subject=subject):
             check.feed(msg)
             messages.append(msg)
-    if protocol:
-        rules = ProtocolCheck()
-        for msg in sorted(messages, key=lambda m: m.seq):  # one host's two subjects, merged in stream order
-            try:
-                event = decode(msg.data, Transition)
-            except DurableValueError:
-                continue  # already reported by the history check
-            rules.feed(event, msg.seq)
-        check.findings.extend(Finding(f.severity, f.object, f.host, f.what) for f in rules.findings)
     objects: set[tuple[str, str]] = set(check.tracks)
     if host is not None:
         objects |= {("claim", host), ("record", host)}
@@ -153,19 +166,41 @@ async def run_audit(
             for key in await ledger.store.list_keys(ledger.bucket, prefix):
                 if key.endswith(".json") and "/" not in key[len(prefix) :]:
                     objects.add((obj, unquote(key[len(prefix) : -len(".json")])))
+    loop = asyncio.get_running_loop()
     for obj, name in sorted(objects):
-        try:
-            cur = await ledger.read(obj, name)  # type: ignore[arg-type]
-        except DurableValueError as exc:
-            check.findings.append(Finding("error", obj, name, f"the object in S3 fails the boundary: {exc}"))
-            continue
-        except StoreError as exc:
-            check.findings.append(Finding("error", obj, name, f"the object could not be read: {exc}"))
-            if isinstance(exc, StoreUnavailable):
-                check.unavailable.append(f"{obj} {name}")
-            continue
-        body = cur.body if cur.state is not None else None
-        check.compare(obj, name, body, cur.state.gen if cur.state is not None else None)
+        deadline, settled = loop.time() + settle_s, None
+        while True:
+            try:
+                cur = await ledger.read(obj, name)  # type: ignore[arg-type]
+            except DurableValueError as exc:
+                check.findings.append(Finding("error", obj, name, f"the object in S3 fails the boundary: {exc}"))
+                break
+            except StoreError as exc:
+                check.findings.append(Finding("error", obj, name, f"the object could not be read: {exc}"))
+                if isinstance(exc, StoreUnavailable):
+                    check.unavailable.append(f"{obj} {name}")
+                break
+            gen = cur.state.gen if cur.state is not None else None
+            if check.behind(obj, name, gen) and loop.time() < deadline:
+                await asyncio.sleep(0.25)  # the publish that follows the CAS, or the relay's
+                track = check.tracks.get((obj, name))
+                async for msg in events.replay(LEDGER_STREAM, start_seq=(track.last_seq if track else 0) + 1,
+                                               subject=ledger_subject(obj, name)):  # type: ignore[arg-type]
+                    check.feed(msg)
+                    messages.append(msg)
+                settled = settle_s
+                continue
+            check.compare(obj, name, cur.body if cur.state is not None else None, gen, settled)
+            break
+    if protocol:
+        rules = ProtocolCheck()
+        for msg in sorted(messages, key=lambda m: m.seq):  # one host's two subjects, merged in stream order
+            try:
+                event = decode(msg.data, Transition)
+            except DurableValueError:
+                continue  # already reported by the history check
+            rules.feed(event, msg.seq)
+        check.findings.extend(Finding(f.severity, f.object, f.host, f.what) for f in rules.findings)
     return check
 
 
