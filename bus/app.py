@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from faststream.nats.security import NatsNKey
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.subjects import FACTS_STREAM, alert_subject
@@ -92,7 +93,7 @@ def make_broker(nats_url: str, *, name: str = "hostmove", credentials: Credentia
     creds = credentials if credentials is not None else credentials_from_env()
     auth: dict[str, Any] = {}
     if creds is not None and creds.nats_seed:
-        auth = {"nkeys_seed_str": creds.nats_seed, "inbox_prefix": creds.inbox_prefix}
+        auth = {"security": NatsNKey.from_seed(creds.nats_seed), "inbox_prefix": creds.inbox_prefix}
     servers = [u.strip() for u in nats_url.split(",") if u.strip()]  # a cluster's URLs (issue 19 item 4)
     # Reconnect for ever on the capped wait (a good daemon; FastStream's default gives up after 60 attempts).
     # Its lines go through this process's JSON handler (FastStream's own logger prints coloured text).
