@@ -371,8 +371,10 @@ async def _box_agent(rt: Runtime, stop: asyncio.Event, label: str) -> int:
                          clock=rt.clock, rng=rt.rng, tree=tree, timing=timing, faults=faults)
         subs = await agent.wake_on(rt.events.nc)
         sleeps = "never" if timing.idle_s is None else f"after {timing.idle_s:g} s idle"
-        log.info("box %s (%s): agent running, profile %s, hosts sleep %s", label, cfg.region, profile, sleeps,
-                 extra=ctx(box=label, region=cfg.region, profile=profile))
+        log.info("box %s (%s): agent running, profile %s, hosts sleep %s, cut window %g s, landing probe window %g s",
+                 label, cfg.region, profile, sleeps, timing.move.source.cut_window_s, timing.probe.window_s,
+                 extra=ctx(box=label, region=cfg.region, profile=profile,
+                           cut_window_s=timing.move.source.cut_window_s, probe_window_s=timing.probe.window_s))
         try:
             await agent.run(stop)
         finally:

@@ -73,6 +73,9 @@ def test_the_readme_s_second_move_ends_done_after_a_demo(tmp_path: Path) -> None
                    if any(word in line for word in REFUSALS)]
         assert not refused, "a service was refused what its role needs:\n" + "\n".join(refused[:5])
         assert "the ledger consumer recovery started" in (work / ".hostmove" / "logs" / "recovery-2.log").read_text()
+        for box in ("ie-1", "uk-1"):  # the section's windows reached its agents (a loaded machine's room)
+            assert "cut window 30 s, landing probe window 12 s" in (
+                work / ".hostmove" / "logs" / f"box-{box}-2.log").read_text(), box
         assert not list(work.glob("**/context.json")), "the login went to the user's config directory"
         assert (tmp_path / "config" / "hostmove" / "context.json").exists()
     finally:
