@@ -165,15 +165,16 @@ async def test_no_change_and_refusal_write_nothing(env: Env, unique: Callable[[s
     assert (await ledger.read_claim(host)).state.gen == 1  # type: ignore[union-attr]
 
 
+def crash_after_cas(point: str) -> None:
+    """A ledger fault that stops the writer between its CAS and its publish."""
+    if point == "after_cas":
+        raise Crash(point)
+
+
 async def test_crash_between_cas_and_publish_is_relayed_by_the_next_writer(
     env: Env, unique: Callable[[str], str]
 ) -> None:
     host = host_name(unique, "crash")
-
-    def crash_after_cas(point: str) -> None:
-        if point == "after_cas":
-            raise Crash(point)
-
     await env.ledger().transition("claim", host, "create", set_phase("a"))
     with pytest.raises(Crash):
         crasher = env.ledger(crash_after_cas, service="crasher")
@@ -193,14 +194,9 @@ async def test_an_audit_waits_for_an_event_on_its_way_and_reports_one_that_never
     its subject's new events, so an event the relay publishes while it waits is no finding; one that never comes is,
     and says what happened (a writer stopped between its CAS and its publish)."""
     host = host_name(unique, "inflight")
-
-    def crash(point: str) -> None:
-        if point == "after_cas":
-            raise Crash(point)
-
     await env.ledger().transition("claim", host, "create", set_phase("a"))
     with pytest.raises(Crash):
-        await env.ledger(crash, service="crasher").transition("claim", host, "lost-step", set_phase("b"))
+        await env.ledger(crash_after_cas, service="crasher").transition("claim", host, "lost-step", set_phase("b"))
     alone = await run_audit(env.events.inner, env.ledger(), host=host, protocol=False, settle_s=0.6)
     assert [f.what for f in alone.findings] == [
         "last state differs from the object in S3 (stream gen 1, store gen 2): gen 2 has no event on the stream "
@@ -209,7 +205,7 @@ async def test_an_audit_waits_for_an_event_on_its_way_and_reports_one_that_never
 
     await env.ledger().transition("claim", host, "next", set_phase("c"))  # relays gen 2, publishes gen 3
     with pytest.raises(Crash):
-        await env.ledger(crash, service="crasher").transition("claim", host, "again", set_phase("d"))
+        await env.ledger(crash_after_cas, service="crasher").transition("claim", host, "again", set_phase("d"))
 
     async def relay_late() -> None:
         await asyncio.sleep(0.8)
@@ -224,14 +220,9 @@ async def test_an_audit_waits_for_an_event_on_its_way_and_reports_one_that_never
 
 async def test_relay_all_publishes_missing_last_gens(env: Env, unique: Callable[[str], str]) -> None:
     hosts = [host_name(unique, "relay") for _ in range(3)]
-
-    def crash(point: str) -> None:
-        if point == "after_cas":
-            raise Crash(point)
-
     for h in hosts:
         with pytest.raises(Crash):
-            await env.ledger(crash).transition("record", h, "create", lambda r, h=h: Record(host=h, gen=1))
+            await env.ledger(crash_after_cas).transition("record", h, "create", lambda r, h=h: Record(host=h, gen=1))
         assert await history(env, "record", h) == []
     failed = await env.ledger().relay_all()
     assert not [line for line in failed if any(h in line for h in hosts)]

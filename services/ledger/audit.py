@@ -103,14 +103,22 @@ class HistoryCheck:
         track.events += 1
         track.last_seq = max(track.last_seq, msg.seq)
 
+    def last_gen(self, obj: str, host: str) -> int:
+        track = self.tracks.get((obj, host))
+        return track.last_gen if track is not None else 0
+
+    def last_seq(self, obj: str, host: str) -> int:
+        track = self.tracks.get((obj, host))
+        return track.last_seq if track is not None else 0
+
     def behind(self, obj: str, host: str, store_gen: int | None) -> bool:
         """The stream's last event of the object is older than the store's gen (its event may still be on its way)."""
-        track = self.tracks.get((obj, host))
-        return store_gen is not None and store_gen > (track.last_gen if track is not None else 0)
+        return store_gen is not None and store_gen > self.last_gen(obj, host)
 
     def compare(self, obj: str, host: str, store_body: bytes | None, store_gen: int | None,
                 settled_s: float | None = None) -> None:
-        """Compare the fold's last state with the object the store holds (None: missing)."""
+        """Compare the fold's last state with the object the store holds (None: missing); ``settled_s``, when the
+        shell waited that long for a store ahead of the stream, names the wait in the finding."""
         self.present += store_body is not None
         track = self.tracks.get((obj, host))
         if track is None or track.last_body is None:
@@ -167,8 +175,8 @@ async def run_audit(
                 if key.endswith(".json") and "/" not in key[len(prefix) :]:
                     objects.add((obj, unquote(key[len(prefix) : -len(".json")])))
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle_s  # one wait for the whole audit, however many objects are on their way
     for obj, name in sorted(objects):
-        deadline, settled = loop.time() + settle_s, None
         while True:
             try:
                 cur = await ledger.read(obj, name)  # type: ignore[arg-type]
@@ -181,16 +189,15 @@ async def run_audit(
                     check.unavailable.append(f"{obj} {name}")
                 break
             gen = cur.state.gen if cur.state is not None else None
-            if check.behind(obj, name, gen) and loop.time() < deadline:
-                await asyncio.sleep(0.25)  # the publish that follows the CAS, or the relay's
-                track = check.tracks.get((obj, name))
-                async for msg in events.replay(LEDGER_STREAM, start_seq=(track.last_seq if track else 0) + 1,
-                                               subject=ledger_subject(obj, name)):  # type: ignore[arg-type]
+            if check.behind(obj, name, gen):  # the subject's events since the replay, then the gens again
+                async for msg in events.replay(LEDGER_STREAM, start_seq=check.last_seq(obj, name) + 1,
+                                               subject=ledger_subject(obj, name)):
                     check.feed(msg)
                     messages.append(msg)
-                settled = settle_s
+            if gen is not None and check.last_gen(obj, name) != gen and loop.time() < deadline:
+                await asyncio.sleep(0.25)  # the publish that follows the CAS, or the relay's; or the store moved on
                 continue
-            check.compare(obj, name, cur.body if cur.state is not None else None, gen, settled)
+            check.compare(obj, name, cur.body if cur.state is not None else None, gen, settle_s)
             break
     if protocol:
         rules = ProtocolCheck()
